@@ -1,0 +1,610 @@
+"""Pure-JAX environments with a gymnax-compatible API. Docs: docs/envs.md
+
+CartPole-v1, CartPoleContinuous, CartPoleSwingup, Pendulum-v1 and Snake. Every function is
+pure, jit- and vmap-able: state and params are `flax.struct.dataclass`es, randomness comes
+from explicit keys, and there is no Python control flow on traced values.
+
+    env, params = envs.make("Pendulum-v1")
+    obs, state = env.reset(key, params)
+    obs, state, reward, terminated, truncated, info = env.step(key, state, action, params)
+
+`step` auto-resets a finished episode; `info["final_observation"]` keeps the observation the
+episode ended on, for bootstrapping at a time limit. `reset_env` / `step_env` never reset.
+"""
+
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+# ---------------------------------------------------------------------------------------------
+# spaces and the base class
+# ---------------------------------------------------------------------------------------------
+
+
+class Discrete:
+    """Actions 0 .. num_categories - 1 (gymnax's `spaces.Discrete`)."""
+
+    def __init__(self, num_categories: int):
+        self.n = num_categories
+        self.shape: tuple[int, ...] = ()
+        self.dtype = jnp.int32
+
+    def sample(self, key: chex.PRNGKey) -> chex.Array:
+        return jax.random.randint(key, (), 0, self.n, dtype=self.dtype)
+
+    def contains(self, x: chex.Array) -> chex.Array:
+        return jnp.logical_and(x >= 0, x < self.n)
+
+
+class Box:
+    """A box in R^shape, bounds inclusive (gymnax's `spaces.Box`)."""
+
+    def __init__(self, low: Any, high: Any, shape: tuple[int, ...], dtype: Any = jnp.float32):
+        self.low = jnp.broadcast_to(jnp.asarray(low, dtype), shape)
+        self.high = jnp.broadcast_to(jnp.asarray(high, dtype), shape)
+        self.shape = shape
+        self.dtype = dtype
+
+    def sample(self, key: chex.PRNGKey) -> chex.Array:
+        # Unbounded dimensions sample from a standard normal, bounded ones uniformly.
+        finite = jnp.isfinite(self.low) & jnp.isfinite(self.high)
+        uniform = jax.random.uniform(key, self.shape, self.dtype, 0.0, 1.0)
+        bounded = self.low + uniform * (jnp.where(finite, self.high, 1.0) - jnp.where(finite, self.low, 0.0))
+        return jnp.where(finite, bounded, jax.random.normal(key, self.shape, self.dtype))
+
+    def contains(self, x: chex.Array) -> chex.Array:
+        return jnp.all((x >= self.low) & (x <= self.high))
+
+
+class Environment:
+    """gymnax-style base: subclasses define `default_params`, `reset_env`, `step_env`,
+    `get_obs`, `is_truncated`, the spaces and `render`; this class adds the auto-reset."""
+
+    @property
+    def default_params(self) -> Any:
+        raise NotImplementedError
+
+    def reset(self, key: chex.PRNGKey, params: Any = None) -> tuple[chex.Array, Any]:
+        params = self.default_params if params is None else params
+        return self.reset_env(key, params)
+
+    def step(
+        self, key: chex.PRNGKey, state: Any, action: chex.Array, params: Any = None
+    ) -> tuple[chex.Array, Any, chex.Array, chex.Array, chex.Array, dict]:
+        """One step with auto-reset: a finished episode's state is replaced by a fresh one."""
+        params = self.default_params if params is None else params
+        key_step, key_reset = jax.random.split(key)
+        obs_step, state_step, reward, terminated, info = self.step_env(key_step, state, action, params)
+        truncated = self.is_truncated(state_step, params)
+        done = jnp.logical_or(terminated, truncated)
+        obs_reset, state_reset = self.reset_env(key_reset, params)
+        state = jax.tree.map(lambda new, old: jnp.where(done, new, old), state_reset, state_step)
+        obs = jnp.where(done, obs_reset, obs_step)
+        info = {**info, "final_observation": obs_step}
+        return obs, state, reward, terminated, truncated, info
+
+    def reset_env(self, key: chex.PRNGKey, params: Any) -> tuple[chex.Array, Any]:
+        raise NotImplementedError
+
+    def step_env(
+        self, key: chex.PRNGKey, state: Any, action: chex.Array, params: Any
+    ) -> tuple[chex.Array, Any, chex.Array, chex.Array, dict]:
+        raise NotImplementedError
+
+    def is_truncated(self, state: Any, params: Any) -> chex.Array:
+        """Time limit, as gymnasium's TimeLimit: reported even when the step also terminated."""
+        return state.time >= params.max_steps_in_episode
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @property
+    def num_actions(self) -> int:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------------------------
+# drawing helpers for the renderers (pure jnp, so renders are vmap-able)
+# ---------------------------------------------------------------------------------------------
+
+
+def _pixel_grid(height: int, width: int) -> tuple[chex.Array, chex.Array]:
+    """Pixel-centre coordinates, rows going down and columns going right."""
+    rows, cols = jnp.meshgrid(jnp.arange(height) + 0.5, jnp.arange(width) + 0.5, indexing="ij")
+    return rows, cols
+
+
+def _segment_mask(rows, cols, start, end, half_width) -> chex.Array:
+    """Pixels within `half_width` of the segment start-end (points as (row, col))."""
+    direction = end - start
+    length_sq = jnp.maximum(jnp.sum(direction**2), 1e-6)
+    t = ((rows - start[0]) * direction[0] + (cols - start[1]) * direction[1]) / length_sq
+    t = jnp.clip(t, 0.0, 1.0)
+    dist_sq = (rows - start[0] - t * direction[0]) ** 2 + (cols - start[1] - t * direction[1]) ** 2
+    return dist_sq <= half_width**2
+
+
+def _paint(image: chex.Array, mask: chex.Array, color: tuple[int, int, int]) -> chex.Array:
+    return jnp.where(mask[..., None], jnp.asarray(color, jnp.uint8), image)
+
+
+def _blank(height: int, width: int) -> chex.Array:
+    return jnp.full((height, width, 3), 255, jnp.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# CartPole-v1 (discrete), CartPoleContinuous and CartPoleSwingup
+# ---------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class CartPoleState:
+    x: chex.Array
+    x_dot: chex.Array
+    theta: chex.Array
+    theta_dot: chex.Array
+    time: chex.Array
+
+
+@struct.dataclass
+class CartPoleParams:
+    """Constants of gymnasium's CartPoleEnv (classic_control/cartpole.py)."""
+
+    gravity: float = 9.8
+    masscart: float = 1.0
+    masspole: float = 0.1
+    length: float = 0.5  # half the pole's length
+    force_mag: float = 10.0
+    tau: float = 0.02  # seconds between state updates
+    theta_threshold_radians: float = 12 * 2 * jnp.pi / 360
+    x_threshold: float = 2.4
+    max_steps_in_episode: int = 500
+
+
+class CartPole(Environment):
+    """Gymnasium's CartPole-v1 exactly: Euler integration, reward 1 per step (also on the
+    terminating step), termination at |x| > 2.4 or |theta| > 12 degrees, truncation at 500."""
+
+    @property
+    def default_params(self) -> CartPoleParams:
+        return CartPoleParams()
+
+    def force(self, action: chex.Array, params: CartPoleParams) -> chex.Array:
+        return jnp.where(action == 1, params.force_mag, -params.force_mag)
+
+    def dynamics(self, state: CartPoleState, force: chex.Array, params: CartPoleParams) -> CartPoleState:
+        """One Euler step of the cart-pole equations (Barto, Sutton & Anderson 1983), written
+        in gymnasium's order of operations so the float results match it."""
+        total_mass = params.masspole + params.masscart
+        polemass_length = params.masspole * params.length
+        cos_theta, sin_theta = jnp.cos(state.theta), jnp.sin(state.theta)
+        temp = (force + polemass_length * state.theta_dot**2 * sin_theta) / total_mass
+        theta_acc = (params.gravity * sin_theta - cos_theta * temp) / (
+            params.length * (4.0 / 3.0 - params.masspole * cos_theta**2 / total_mass)
+        )
+        x_acc = temp - polemass_length * theta_acc * cos_theta / total_mass
+        return CartPoleState(
+            x=state.x + params.tau * state.x_dot,
+            x_dot=state.x_dot + params.tau * x_acc,
+            theta=state.theta + params.tau * state.theta_dot,
+            theta_dot=state.theta_dot + params.tau * theta_acc,
+            time=state.time + 1,
+        )
+
+    def step_env(self, key, state, action, params):
+        state = self.dynamics(state, self.force(action, params), params)
+        terminated = self.is_terminal(state, params)
+        reward = jnp.ones((), jnp.float32)
+        return self.get_obs(state), state, reward, terminated, {}
+
+    def is_terminal(self, state: CartPoleState, params: CartPoleParams) -> chex.Array:
+        out_of_track = jnp.abs(state.x) > params.x_threshold
+        fallen = jnp.abs(state.theta) > params.theta_threshold_radians
+        return jnp.logical_or(out_of_track, fallen)
+
+    def reset_env(self, key, params):
+        x, x_dot, theta, theta_dot = jax.random.uniform(key, (4,), jnp.float32, -0.05, 0.05)
+        state = CartPoleState(x=x, x_dot=x_dot, theta=theta, theta_dot=theta_dot, time=jnp.int32(0))
+        return self.get_obs(state), state
+
+    def get_obs(self, state: CartPoleState) -> chex.Array:
+        return jnp.stack([state.x, state.x_dot, state.theta, state.theta_dot]).astype(jnp.float32)
+
+    def observation_space(self, params: CartPoleParams) -> Box:
+        high = jnp.array([params.x_threshold * 2, jnp.inf, params.theta_threshold_radians * 2, jnp.inf])
+        return Box(-high, high, (4,))
+
+    def action_space(self, params: CartPoleParams | None = None) -> Discrete:
+        return Discrete(2)
+
+    @property
+    def num_actions(self) -> int:
+        return 2
+
+    @property
+    def name(self) -> str:
+        return "CartPole-v1"
+
+    def render(self, state: CartPoleState, params: CartPoleParams, height: int = 200, width: int = 300) -> chex.Array:
+        """The cart on its track and the pole, as gymnasium draws it (uint8[height, width, 3])."""
+        rows, cols = _pixel_grid(height, width)
+        scale = width / (2 * params.x_threshold * 1.1)
+        track_row = height * 0.7
+        cart_col = width / 2 + state.x * scale
+        cart_half_w, cart_half_h = 0.25 * scale, 0.15 * scale
+        pole_tip = jnp.stack([
+            track_row - 2 * params.length * scale * jnp.cos(state.theta),
+            cart_col + 2 * params.length * scale * jnp.sin(state.theta),
+        ])
+        pivot = jnp.stack([track_row, cart_col])
+        image = _blank(height, width)
+        image = _paint(image, jnp.abs(rows - track_row) < 1, (0, 0, 0))
+        cart = (jnp.abs(cols - cart_col) < cart_half_w) & (jnp.abs(rows - track_row) < cart_half_h)
+        image = _paint(image, cart, (0, 0, 0))
+        image = _paint(image, _segment_mask(rows, cols, pivot, pole_tip, 0.04 * scale), (202, 152, 101))
+        axle = (rows - track_row) ** 2 + (cols - cart_col) ** 2 < (0.03 * scale) ** 2
+        return _paint(image, axle, (129, 132, 203))
+
+
+class CartPoleContinuous(CartPole):
+    """CartPole-v1's physics and termination with a continuous force: action in [-1, 1]
+    (clipped; NaN counts as 0) times `force_mag`."""
+
+    def force(self, action: chex.Array, params: CartPoleParams) -> chex.Array:
+        action = jnp.nan_to_num(jnp.asarray(action, jnp.float32).reshape(()), nan=0.0)
+        return jnp.clip(action, -1.0, 1.0) * params.force_mag
+
+    def action_space(self, params: CartPoleParams | None = None) -> Box:
+        return Box(-1.0, 1.0, (1,))
+
+    @property
+    def num_actions(self) -> int:
+        return 1
+
+    @property
+    def name(self) -> str:
+        return "CartPoleContinuous"
+
+
+class CartPoleSwingup(CartPoleContinuous):
+    """Swing-up: the pole starts hanging down, may turn freely, and the episode ends only at
+    the track edges or after 500 steps. Reward in [0, 1]:
+        upright * centred,  upright = (1 + cos theta) / 2,  centred = 1 - (x / x_threshold)^2 / 2
+    Observation [x, x_dot, cos theta, sin theta, theta_dot]: the angle is unbounded here."""
+
+    def reset_env(self, key, params):
+        noise = jax.random.uniform(key, (4,), jnp.float32, -0.05, 0.05)
+        state = CartPoleState(
+            x=noise[0], x_dot=noise[1], theta=jnp.pi + noise[2], theta_dot=noise[3], time=jnp.int32(0)
+        )
+        return self.get_obs(state), state
+
+    def step_env(self, key, state, action, params):
+        state = self.dynamics(state, self.force(action, params), params)
+        upright = (1.0 + jnp.cos(state.theta)) / 2.0
+        centred = 1.0 - 0.5 * jnp.minimum((state.x / params.x_threshold) ** 2, 1.0)
+        reward = (upright * centred).astype(jnp.float32)
+        return self.get_obs(state), state, reward, self.is_terminal(state, params), {}
+
+    def is_terminal(self, state: CartPoleState, params: CartPoleParams) -> chex.Array:
+        return jnp.abs(state.x) > params.x_threshold
+
+    def get_obs(self, state: CartPoleState) -> chex.Array:
+        return jnp.stack(
+            [state.x, state.x_dot, jnp.cos(state.theta), jnp.sin(state.theta), state.theta_dot]
+        ).astype(jnp.float32)
+
+    def observation_space(self, params: CartPoleParams) -> Box:
+        high = jnp.array([params.x_threshold * 2, jnp.inf, 1.0, 1.0, jnp.inf])
+        return Box(-high, high, (5,))
+
+    @property
+    def name(self) -> str:
+        return "CartPoleSwingup"
+
+
+# ---------------------------------------------------------------------------------------------
+# Pendulum-v1
+# ---------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class PendulumState:
+    theta: chex.Array
+    theta_dot: chex.Array
+    last_u: chex.Array  # last torque applied, for the renderer
+    time: chex.Array
+
+
+@struct.dataclass
+class PendulumParams:
+    """Constants of gymnasium's PendulumEnv (classic_control/pendulum.py)."""
+
+    max_speed: float = 8.0
+    max_torque: float = 2.0
+    dt: float = 0.05
+    g: float = 10.0
+    m: float = 1.0
+    l: float = 1.0  # noqa: E741 (gymnasium's name)
+    max_steps_in_episode: int = 200
+
+
+def angle_normalize(theta: chex.Array) -> chex.Array:
+    """Angle in [-pi, pi), as gymnasium's pendulum.angle_normalize."""
+    return ((theta + jnp.pi) % (2 * jnp.pi)) - jnp.pi
+
+
+class Pendulum(Environment):
+    """Gymnasium's Pendulum-v1 exactly: theta_dot += (3g/(2l) sin theta + 3/(m l^2) u) dt,
+    clipped to max_speed, then theta += theta_dot dt; reward -(theta^2 + 0.1 theta_dot^2 +
+    0.001 u^2) with theta normalised; never terminates, truncated at 200 steps."""
+
+    @property
+    def default_params(self) -> PendulumParams:
+        return PendulumParams()
+
+    def step_env(self, key, state, action, params):
+        action = jnp.nan_to_num(jnp.asarray(action, jnp.float32).reshape(()), nan=0.0)
+        torque = jnp.clip(action, -params.max_torque, params.max_torque)
+        cost = angle_normalize(state.theta) ** 2 + 0.1 * state.theta_dot**2 + 0.001 * torque**2
+        theta_dot = state.theta_dot + (
+            3 * params.g / (2 * params.l) * jnp.sin(state.theta) + 3.0 / (params.m * params.l**2) * torque
+        ) * params.dt
+        theta_dot = jnp.clip(theta_dot, -params.max_speed, params.max_speed)
+        theta = state.theta + theta_dot * params.dt
+        state = PendulumState(theta=theta, theta_dot=theta_dot, last_u=torque, time=state.time + 1)
+        reward = (-cost).astype(jnp.float32)
+        return self.get_obs(state), state, reward, jnp.bool_(False), {}
+
+    def reset_env(self, key, params):
+        theta, theta_dot = jax.random.uniform(key, (2,), jnp.float32, -1.0, 1.0) * jnp.array([jnp.pi, 1.0])
+        state = PendulumState(theta=theta, theta_dot=theta_dot, last_u=jnp.float32(0.0), time=jnp.int32(0))
+        return self.get_obs(state), state
+
+    def get_obs(self, state: PendulumState) -> chex.Array:
+        return jnp.stack([jnp.cos(state.theta), jnp.sin(state.theta), state.theta_dot]).astype(jnp.float32)
+
+    def observation_space(self, params: PendulumParams) -> Box:
+        high = jnp.array([1.0, 1.0, params.max_speed])
+        return Box(-high, high, (3,))
+
+    def action_space(self, params: PendulumParams | None = None) -> Box:
+        params = self.default_params if params is None else params
+        return Box(-params.max_torque, params.max_torque, (1,))
+
+    @property
+    def num_actions(self) -> int:
+        return 1
+
+    @property
+    def name(self) -> str:
+        return "Pendulum-v1"
+
+    def render(self, state: PendulumState, params: PendulumParams, height: int = 200, width: int = 200) -> chex.Array:
+        """The rod from the pivot (theta = 0 points up) and a bar showing the torque."""
+        rows, cols = _pixel_grid(height, width)
+        centre = jnp.array([height / 2, width / 2])
+        rod_length = 0.4 * min(height, width)
+        tip = centre + rod_length * jnp.stack([-jnp.cos(state.theta), jnp.sin(state.theta)])
+        image = _blank(height, width)
+        image = _paint(image, _segment_mask(rows, cols, centre, tip, 0.05 * rod_length), (204, 77, 77))
+        torque_end = centre + jnp.stack([0.45 * height, state.last_u / params.max_torque * 0.4 * width])
+        torque_start = centre + jnp.array([0.45 * height, 0.0])
+        image = _paint(image, _segment_mask(rows, cols, torque_start, torque_end, 2.0), (60, 60, 200))
+        pivot = (rows - centre[0]) ** 2 + (cols - centre[1]) ** 2 < (0.04 * rod_length) ** 2
+        return _paint(image, pivot, (0, 0, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Snake
+# ---------------------------------------------------------------------------------------------
+
+# Absolute moves: 0 up, 1 right, 2 down, 3 left, as (row, col) offsets.
+SNAKE_MOVES = jnp.array([[-1, 0], [0, 1], [1, 0], [0, -1]], jnp.int32)
+
+
+@struct.dataclass
+class SnakeState:
+    body: chex.Array  # int32[grid, grid]: steps until each cell is vacated, 0 = free, head = length
+    head: chex.Array  # int32[2], (row, col)
+    direction: chex.Array  # int32, the last move taken
+    food: chex.Array  # int32[2]
+    length: chex.Array  # int32
+    steps_since_food: chex.Array  # int32
+    time: chex.Array  # int32
+
+
+@struct.dataclass
+class SnakeParams:
+    grid_size: int = struct.field(pytree_node=False, default=10)  # sets shapes, so static
+    max_steps_without_food: int = 100
+
+
+class Snake(Environment):
+    """Snake on a square grid. Four absolute moves; a move straight back into the neck keeps
+    the current direction. +1 per food (the snake grows by one), -1 on death; the episode ends
+    on a wall or self collision or a full board (a win, terminated), or is truncated after
+    `max_steps_without_food` steps without eating. Food appears uniformly on a free cell.
+    Observation float32[grid, grid, 3]: head, body recency (head 1 .. tail 1/length), food."""
+
+    @property
+    def default_params(self) -> SnakeParams:
+        return SnakeParams()
+
+    def reset_env(self, key, params):
+        key_head, key_direction, key_food = jax.random.split(key, 3)
+        size = params.grid_size
+        head_index = jax.random.randint(key_head, (), 0, size * size)
+        head = jnp.stack([head_index // size, head_index % size]).astype(jnp.int32)
+        body = jnp.zeros((size, size), jnp.int32).at[head[0], head[1]].set(1)
+        state = SnakeState(
+            body=body,
+            head=head,
+            direction=jax.random.randint(key_direction, (), 0, 4, dtype=jnp.int32),
+            food=self._place_food(key_food, body),
+            length=jnp.int32(1),
+            steps_since_food=jnp.int32(0),
+            time=jnp.int32(0),
+        )
+        return self.get_obs(state, params), state
+
+    def _place_food(self, key: chex.PRNGKey, body: chex.Array) -> chex.Array:
+        """A uniformly random free cell (sampling over the free mask, so it stays exact on an
+        almost full board). On a full board it returns some cell; the episode has ended then."""
+        size = body.shape[0]
+        logits = jnp.where(body.reshape(-1) == 0, 0.0, -jnp.inf)
+        index = jax.random.categorical(key, logits)
+        return jnp.stack([index // size, index % size]).astype(jnp.int32)
+
+    def step_env(self, key, state, action, params):
+        size = params.grid_size
+        action = jnp.asarray(action, jnp.int32).reshape(())
+        reverses = (action + 2) % 4 == state.direction
+        direction = jnp.where(reverses, state.direction, action)
+        new_head = state.head + SNAKE_MOVES[direction]
+        hits_wall = jnp.any((new_head < 0) | (new_head >= size))
+        cell = jnp.clip(new_head, 0, size - 1)
+        eats = jnp.all(new_head == state.food)
+        # The tail moves away this step unless the snake grows, so its cell is then free.
+        body = jnp.where(eats, state.body, jnp.maximum(state.body - 1, 0))
+        hits_self = body[cell[0], cell[1]] > 0
+        dies = hits_wall | hits_self
+        length = state.length + eats.astype(jnp.int32)
+        body = body.at[cell[0], cell[1]].set(jnp.where(dies, body[cell[0], cell[1]], length))
+        wins = length == size * size
+        food = jnp.where(eats, self._place_food(key, body), state.food)
+        state = SnakeState(
+            body=body,
+            head=jnp.where(dies, state.head, cell),
+            direction=direction,
+            food=food,
+            length=length,
+            steps_since_food=jnp.where(eats, 0, state.steps_since_food + 1),
+            time=state.time + 1,
+        )
+        reward = eats.astype(jnp.float32) - dies.astype(jnp.float32)
+        terminated = dies | wins
+        return self.get_obs(state, params), state, reward, terminated, {"won": wins}
+
+    def is_truncated(self, state: SnakeState, params: SnakeParams) -> chex.Array:
+        return state.steps_since_food >= params.max_steps_without_food
+
+    def get_obs(self, state: SnakeState, params: SnakeParams) -> chex.Array:
+        size = params.grid_size
+        head = jnp.zeros((size, size), jnp.float32).at[state.head[0], state.head[1]].set(1.0)
+        recency = state.body.astype(jnp.float32) / state.length.astype(jnp.float32)
+        food = jnp.zeros((size, size), jnp.float32).at[state.food[0], state.food[1]].set(1.0)
+        return jnp.stack([head, recency, food], axis=-1)
+
+    def observation_space(self, params: SnakeParams) -> Box:
+        return Box(0.0, 1.0, (params.grid_size, params.grid_size, 3))
+
+    def action_space(self, params: SnakeParams | None = None) -> Discrete:
+        return Discrete(4)
+
+    @property
+    def num_actions(self) -> int:
+        return 4
+
+    @property
+    def name(self) -> str:
+        return "Snake"
+
+    def render(self, state: SnakeState, params: SnakeParams, cell_pixels: int = 16) -> chex.Array:
+        """Body shaded from tail to head, head dark, food red, one gridline between cells."""
+        shade = state.body.astype(jnp.float32) / state.length.astype(jnp.float32)
+        green = jnp.stack([40 + 40 * (1 - shade), 120 + 100 * (1 - shade), 40 + 40 * (1 - shade)], -1)
+        cells = jnp.where((state.body > 0)[..., None], green, 235.0)
+        head_mask = jnp.zeros(state.body.shape, bool).at[state.head[0], state.head[1]].set(True)
+        food_mask = jnp.zeros(state.body.shape, bool).at[state.food[0], state.food[1]].set(True)
+        cells = jnp.where(head_mask[..., None], jnp.array([20.0, 70.0, 20.0]), cells)
+        cells = jnp.where((food_mask & (state.body == 0))[..., None], jnp.array([220.0, 40.0, 40.0]), cells)
+        image = jnp.repeat(jnp.repeat(cells, cell_pixels, axis=0), cell_pixels, axis=1)
+        pixel = jnp.arange(image.shape[0]) % cell_pixels == 0
+        gridlines = pixel[:, None] | pixel[None, :]
+        return jnp.where(gridlines[..., None], 200.0, image).astype(jnp.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# episode statistics, and make()
+# ---------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class EpisodeStatsState:
+    env_state: Any
+    episode_return: chex.Array  # of the episode in progress
+    episode_length: chex.Array
+
+
+class EpisodeStats(Environment):
+    """Wraps an env to report completed episodes: `info["returned_episode"]` is True on the
+    step an episode ends, and then `info["episode_return"]` / `info["episode_length"]` hold its
+    totals (zeros otherwise, so average them with the mask)."""
+
+    def __init__(self, env: Environment):
+        self.env = env
+
+    @property
+    def default_params(self) -> Any:
+        return self.env.default_params
+
+    def reset(self, key, params=None):
+        obs, env_state = self.env.reset(key, params)
+        return obs, EpisodeStatsState(env_state, jnp.float32(0.0), jnp.int32(0))
+
+    def step(self, key, state, action, params=None):
+        obs, env_state, reward, terminated, truncated, info = self.env.step(key, state.env_state, action, params)
+        done = jnp.logical_or(terminated, truncated)
+        episode_return = state.episode_return + reward
+        episode_length = state.episode_length + 1
+        info = {
+            **info,
+            "returned_episode": done,
+            "episode_return": jnp.where(done, episode_return, 0.0),
+            "episode_length": jnp.where(done, episode_length, 0),
+        }
+        state = EpisodeStatsState(
+            env_state,
+            jnp.where(done, 0.0, episode_return),
+            jnp.where(done, 0, episode_length),
+        )
+        return obs, state, reward, terminated, truncated, info
+
+    def observation_space(self, params):
+        return self.env.observation_space(params)
+
+    def action_space(self, params=None):
+        return self.env.action_space(params)
+
+    def render(self, state: EpisodeStatsState, params: Any, *args, **kwargs) -> chex.Array:
+        return self.env.render(state.env_state, params, *args, **kwargs)
+
+    @property
+    def num_actions(self) -> int:
+        return self.env.num_actions
+
+    @property
+    def name(self) -> str:
+        return self.env.name
+
+
+REGISTRY: dict[str, type[Environment]] = {
+    "CartPole-v1": CartPole,
+    "CartPoleContinuous": CartPoleContinuous,
+    "CartPoleSwingup": CartPoleSwingup,
+    "Pendulum-v1": Pendulum,
+    "Snake": Snake,
+}
+
+
+def make(name: str) -> tuple[Environment, Any]:
+    """(env, default params) for a registered env id."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown env {name!r}; choose one of {sorted(REGISTRY)}")
+    env = REGISTRY[name]()
+    return env, env.default_params
