@@ -51,8 +51,8 @@ class Box:
     def sample(self, key: chex.PRNGKey) -> chex.Array:
         # Unbounded dimensions sample from a standard normal, bounded ones uniformly.
         finite = jnp.isfinite(self.low) & jnp.isfinite(self.high)
-        uniform = jax.random.uniform(key, self.shape, self.dtype, 0.0, 1.0)
-        bounded = self.low + uniform * (jnp.where(finite, self.high, 1.0) - jnp.where(finite, self.low, 0.0))
+        unit = jax.random.uniform(key, self.shape, self.dtype, 0.0, 1.0)
+        bounded = self.low + unit * (jnp.where(finite, self.high, 1.0) - jnp.where(finite, self.low, 0.0))
         return jnp.where(finite, bounded, jax.random.normal(key, self.shape, self.dtype))
 
     def contains(self, x: chex.Array) -> chex.Array:
@@ -62,6 +62,11 @@ class Box:
 class Environment:
     """gymnax-style base: subclasses define `default_params`, `reset_env`, `step_env`,
     `get_obs`, `is_truncated`, the spaces and `render`; this class adds the auto-reset."""
+
+    # True when `step_env` uses no randomness on a step that ends the episode: then the reset
+    # and the step never both use their draws, and `step` can give both the same key instead
+    # of splitting it (a split costs as much as CartPole's whole physics step).
+    step_and_reset_share_key: bool = False
 
     @property
     def default_params(self) -> Any:
@@ -76,17 +81,26 @@ class Environment:
     ) -> tuple[chex.Array, Any, chex.Array, chex.Array, chex.Array, dict]:
         """One step with auto-reset: a finished episode's state is replaced by a fresh one."""
         params = self.default_params if params is None else params
-        key_step, key_reset = jax.random.split(key)
+        if self.step_and_reset_share_key:
+            key_step = key_reset = key
+        else:
+            key_step, key_reset = jax.random.split(key)
         obs_step, state_step, reward, terminated, info = self.step_env(key_step, state, action, params)
         truncated = self.is_truncated(state_step, params)
         done = jnp.logical_or(terminated, truncated)
-        obs_reset, state_reset = self.reset_env(key_reset, params)
+        _, state_reset = self.reset_env(key_reset, params)
         state = jax.tree.map(lambda new, old: jnp.where(done, new, old), state_reset, state_step)
-        obs = jnp.where(done, obs_reset, obs_step)
+        # The observation of the chosen state rather than a choice between two observations:
+        # XLA then drops the reset's observation, and the step's too when the caller does not
+        # read info["final_observation"].
+        obs = self.get_obs(state, params)
         info = {**info, "final_observation": obs_step}
         return obs, state, reward, terminated, truncated, info
 
     def reset_env(self, key: chex.PRNGKey, params: Any) -> tuple[chex.Array, Any]:
+        raise NotImplementedError
+
+    def get_obs(self, state: Any, params: Any = None) -> chex.Array:
         raise NotImplementedError
 
     def step_env(
@@ -105,6 +119,18 @@ class Environment:
     @property
     def num_actions(self) -> int:
         raise NotImplementedError
+
+
+def uniform(key: chex.PRNGKey, count: int, low: Any = 0.0, high: Any = 1.0) -> chex.Array:
+    """float32[count], independent and uniform in [low, high), as `jax.random.uniform` draws
+    them but with half the hashing: that spends one 64-bit threefry hash per 32-bit number
+    (JAX's partitionable threefry XORs the hash's two words), while the words of a split key
+    are that same hash's two outputs, each uniform. Resets run on every step (auto-reset
+    computes them for every env), so this is a measurable part of a step."""
+    words = jax.random.key_data(jax.random.split(key, -(-count // 2))).reshape(-1)[:count]
+    # 23 random mantissa bits under the exponent of 1.0 give a float in [1, 2).
+    unit = jax.lax.bitcast_convert_type((words >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    return jnp.asarray(low, jnp.float32) + (jnp.asarray(high, jnp.float32) - low) * unit
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +195,8 @@ class CartPole(Environment):
     """Gymnasium's CartPole-v1 exactly: Euler integration, reward 1 per step (also on the
     terminating step), termination at |x| > 2.4 or |theta| > 12 degrees, truncation at 500."""
 
+    step_and_reset_share_key = True  # the physics is deterministic
+
     @property
     def default_params(self) -> CartPoleParams:
         return CartPoleParams()
@@ -207,12 +235,13 @@ class CartPole(Environment):
         return jnp.logical_or(out_of_track, fallen)
 
     def reset_env(self, key, params):
-        x, x_dot, theta, theta_dot = jax.random.uniform(key, (4,), jnp.float32, -0.05, 0.05)
+        x, x_dot, theta, theta_dot = uniform(key, 4, -0.05, 0.05)
         state = CartPoleState(x=x, x_dot=x_dot, theta=theta, theta_dot=theta_dot, time=jnp.int32(0))
         return self.get_obs(state), state
 
-    def get_obs(self, state: CartPoleState) -> chex.Array:
-        return jnp.stack([state.x, state.x_dot, state.theta, state.theta_dot]).astype(jnp.float32)
+    def get_obs(self, state: CartPoleState, params: CartPoleParams | None = None) -> chex.Array:
+        # jnp.array (a concatenate under vmap) rather than jnp.stack (a stack and a transpose).
+        return jnp.array([state.x, state.x_dot, state.theta, state.theta_dot], jnp.float32)
 
     def observation_space(self, params: CartPoleParams) -> Box:
         high = jnp.array([params.x_threshold * 2, jnp.inf, params.theta_threshold_radians * 2, jnp.inf])
@@ -236,10 +265,12 @@ class CartPole(Environment):
         track_row = height * 0.7
         cart_col = width / 2 + state.x * scale
         cart_half_w, cart_half_h = 0.25 * scale, 0.15 * scale
-        pole_tip = jnp.stack([
-            track_row - 2 * params.length * scale * jnp.cos(state.theta),
-            cart_col + 2 * params.length * scale * jnp.sin(state.theta),
-        ])
+        pole_tip = jnp.stack(
+            [
+                track_row - 2 * params.length * scale * jnp.cos(state.theta),
+                cart_col + 2 * params.length * scale * jnp.sin(state.theta),
+            ]
+        )
         pivot = jnp.stack([track_row, cart_col])
         image = _blank(height, width)
         image = _paint(image, jnp.abs(rows - track_row) < 1, (0, 0, 0))
@@ -277,7 +308,7 @@ class CartPoleSwingup(CartPoleContinuous):
     Observation [x, x_dot, cos theta, sin theta, theta_dot]: the angle is unbounded here."""
 
     def reset_env(self, key, params):
-        noise = jax.random.uniform(key, (4,), jnp.float32, -0.05, 0.05)
+        noise = uniform(key, 4, -0.05, 0.05)
         state = CartPoleState(
             x=noise[0], x_dot=noise[1], theta=jnp.pi + noise[2], theta_dot=noise[3], time=jnp.int32(0)
         )
@@ -293,10 +324,10 @@ class CartPoleSwingup(CartPoleContinuous):
     def is_terminal(self, state: CartPoleState, params: CartPoleParams) -> chex.Array:
         return jnp.abs(state.x) > params.x_threshold
 
-    def get_obs(self, state: CartPoleState) -> chex.Array:
-        return jnp.stack(
-            [state.x, state.x_dot, jnp.cos(state.theta), jnp.sin(state.theta), state.theta_dot]
-        ).astype(jnp.float32)
+    def get_obs(self, state: CartPoleState, params: CartPoleParams | None = None) -> chex.Array:
+        return jnp.array(
+            [state.x, state.x_dot, jnp.cos(state.theta), jnp.sin(state.theta), state.theta_dot], jnp.float32
+        )
 
     def observation_space(self, params: CartPoleParams) -> Box:
         high = jnp.array([params.x_threshold * 2, jnp.inf, 1.0, 1.0, jnp.inf])
@@ -343,6 +374,8 @@ class Pendulum(Environment):
     clipped to max_speed, then theta += theta_dot dt; reward -(theta^2 + 0.1 theta_dot^2 +
     0.001 u^2) with theta normalised; never terminates, truncated at 200 steps."""
 
+    step_and_reset_share_key = True  # the physics is deterministic
+
     @property
     def default_params(self) -> PendulumParams:
         return PendulumParams()
@@ -351,9 +384,11 @@ class Pendulum(Environment):
         action = jnp.nan_to_num(jnp.asarray(action, jnp.float32).reshape(()), nan=0.0)
         torque = jnp.clip(action, -params.max_torque, params.max_torque)
         cost = angle_normalize(state.theta) ** 2 + 0.1 * state.theta_dot**2 + 0.001 * torque**2
-        theta_dot = state.theta_dot + (
-            3 * params.g / (2 * params.l) * jnp.sin(state.theta) + 3.0 / (params.m * params.l**2) * torque
-        ) * params.dt
+        theta_dot = (
+            state.theta_dot
+            + (3 * params.g / (2 * params.l) * jnp.sin(state.theta) + 3.0 / (params.m * params.l**2) * torque)
+            * params.dt
+        )
         theta_dot = jnp.clip(theta_dot, -params.max_speed, params.max_speed)
         theta = state.theta + theta_dot * params.dt
         state = PendulumState(theta=theta, theta_dot=theta_dot, last_u=torque, time=state.time + 1)
@@ -361,12 +396,13 @@ class Pendulum(Environment):
         return self.get_obs(state), state, reward, jnp.bool_(False), {}
 
     def reset_env(self, key, params):
-        theta, theta_dot = jax.random.uniform(key, (2,), jnp.float32, -1.0, 1.0) * jnp.array([jnp.pi, 1.0])
+        high = jnp.array([jnp.pi, 1.0])  # gymnasium's DEFAULT_X, DEFAULT_Y
+        theta, theta_dot = uniform(key, 2, -high, high)
         state = PendulumState(theta=theta, theta_dot=theta_dot, last_u=jnp.float32(0.0), time=jnp.int32(0))
         return self.get_obs(state), state
 
-    def get_obs(self, state: PendulumState) -> chex.Array:
-        return jnp.stack([jnp.cos(state.theta), jnp.sin(state.theta), state.theta_dot]).astype(jnp.float32)
+    def get_obs(self, state: PendulumState, params: PendulumParams | None = None) -> chex.Array:
+        return jnp.array([jnp.cos(state.theta), jnp.sin(state.theta), state.theta_dot], jnp.float32)
 
     def observation_space(self, params: PendulumParams) -> Box:
         high = jnp.array([1.0, 1.0, params.max_speed])
@@ -409,10 +445,10 @@ SNAKE_MOVES = jnp.array([[-1, 0], [0, 1], [1, 0], [0, -1]], jnp.int32)
 
 @struct.dataclass
 class SnakeState:
-    body: chex.Array  # int32[grid, grid]: steps until each cell is vacated, 0 = free, head = length
+    body: chex.Array  # int32[grid, grid]: steps until each cell is vacated: 0 free, tail 1, head = length
     head: chex.Array  # int32[2], (row, col)
-    direction: chex.Array  # int32, the last move taken
-    food: chex.Array  # int32[2]
+    direction: chex.Array  # int32, the last move taken (0 before the first)
+    food: chex.Array  # int32[2], (row, col)
     length: chex.Array  # int32
     steps_since_food: chex.Array  # int32
     time: chex.Array  # int32
@@ -420,66 +456,100 @@ class SnakeState:
 
 @struct.dataclass
 class SnakeParams:
-    grid_size: int = struct.field(pytree_node=False, default=10)  # sets shapes, so static
+    grid_size: int = struct.field(pytree_node=False, default=10)  # sets shapes, so static; >= 2
     max_steps_without_food: int = 100
 
 
+def _cell_mask(size: int, cell: chex.Array) -> chex.Array:
+    """bool[size, size], True at `cell` (row, col) only; all False when `cell` is off the grid.
+    A comparison with iotas rather than a scatter: it vectorises and fuses under vmap."""
+    rows = jnp.arange(size)[:, None]
+    cols = jnp.arange(size)[None, :]
+    return (rows == cell[0]) & (cols == cell[1])
+
+
+def _cell_of_index(index: chex.Array, size: int) -> chex.Array:
+    return jnp.stack([index // size, index % size]).astype(jnp.int32)
+
+
 class Snake(Environment):
-    """Snake on a square grid. Four absolute moves; a move straight back into the neck keeps
-    the current direction. +1 per food (the snake grows by one), -1 on death; the episode ends
-    on a wall or self collision or a full board (a win, terminated), or is truncated after
+    """Snake on a square grid. Four absolute moves; a snake longer than one cannot turn back into
+    its neck: that move keeps the current direction. Moving into the cell the tail is leaving is
+    allowed. +1 per food (the snake grows by one), -1 on death; the episode ends on a wall or self
+    collision, or on a full board (a win), all terminated; it is truncated after
     `max_steps_without_food` steps without eating. Food appears uniformly on a free cell.
     Observation float32[grid, grid, 3]: head, body recency (head 1 .. tail 1/length), food."""
+
+    # The step draws food only when the snake eats, and eating never ends the episode except on
+    # a win, where no food can be placed; so a reset and a food draw are never both used.
+    step_and_reset_share_key = True
 
     @property
     def default_params(self) -> SnakeParams:
         return SnakeParams()
 
     def reset_env(self, key, params):
-        key_head, key_direction, key_food = jax.random.split(key, 3)
+        """A snake of length 1 on a uniform cell, food uniform on another cell."""
         size = params.grid_size
-        head_index = jax.random.randint(key_head, (), 0, size * size)
-        head = jnp.stack([head_index // size, head_index % size]).astype(jnp.int32)
-        body = jnp.zeros((size, size), jnp.int32).at[head[0], head[1]].set(1)
+        if size < 2:
+            raise ValueError(f"Snake needs grid_size >= 2, got {size}")
+        num_cells = size * size
+        head_draw, food_draw = uniform(key, 2)
+        head_index = jnp.floor(head_draw * num_cells).astype(jnp.int32)
+        food_index = jnp.floor(food_draw * (num_cells - 1)).astype(jnp.int32)
+        food_index = food_index + (food_index >= head_index)  # skip the head's cell
+        head = _cell_of_index(head_index, size)
         state = SnakeState(
-            body=body,
+            body=_cell_mask(size, head).astype(jnp.int32),
             head=head,
-            direction=jax.random.randint(key_direction, (), 0, 4, dtype=jnp.int32),
-            food=self._place_food(key_food, body),
+            direction=jnp.int32(0),
+            food=_cell_of_index(food_index, size),
             length=jnp.int32(1),
             steps_since_food=jnp.int32(0),
             time=jnp.int32(0),
         )
         return self.get_obs(state, params), state
 
-    def _place_food(self, key: chex.PRNGKey, body: chex.Array) -> chex.Array:
-        """A uniformly random free cell (sampling over the free mask, so it stays exact on an
-        almost full board). On a full board it returns some cell; the episode has ended then."""
-        size = body.shape[0]
-        logits = jnp.where(body.reshape(-1) == 0, 0.0, -jnp.inf)
-        index = jax.random.categorical(key, logits)
-        return jnp.stack([index // size, index % size]).astype(jnp.int32)
+    def _place_food(self, key: chex.PRNGKey, free: chex.Array, num_free: chex.Array) -> chex.Array:
+        """A uniform cell among the `num_free` True cells of `free`: the k-th in row-major order,
+        k uniform in [0, num_free); exact also on an almost full board. Found by counting free
+        cells per row, then within its row: two cumulative sums of `grid` numbers, not one of
+        grid^2 (XLA computes a cumulative sum of n numbers with n^2 additions)."""
+        k = jnp.floor(jax.random.uniform(key) * num_free).astype(jnp.int32)
+        k = jnp.minimum(k, num_free - 1)
+        free_per_row = jnp.sum(free, axis=1, dtype=jnp.int32)
+        free_through_row = jnp.cumsum(free_per_row)
+        row = jnp.argmax(free_through_row > k)
+        k_in_row = k - (free_through_row[row] - free_per_row[row])
+        free_in_row = jax.lax.dynamic_index_in_dim(free, row, keepdims=False).astype(jnp.int32)
+        col = jnp.argmax(jnp.cumsum(free_in_row) > k_in_row)
+        return jnp.stack([row, col]).astype(jnp.int32)
 
     def step_env(self, key, state, action, params):
         size = params.grid_size
-        action = jnp.asarray(action, jnp.int32).reshape(())
-        reverses = (action + 2) % 4 == state.direction
-        direction = jnp.where(reverses, state.direction, action)
+        action = jnp.clip(jnp.asarray(action, jnp.int32).reshape(()), 0, 3)
+        turns_back = ((action + 2) % 4 == state.direction) & (state.length > 1)
+        direction = jnp.where(turns_back, state.direction, action)
         new_head = state.head + SNAKE_MOVES[direction]
         hits_wall = jnp.any((new_head < 0) | (new_head >= size))
-        cell = jnp.clip(new_head, 0, size - 1)
         eats = jnp.all(new_head == state.food)
-        # The tail moves away this step unless the snake grows, so its cell is then free.
-        body = jnp.where(eats, state.body, jnp.maximum(state.body - 1, 0))
-        hits_self = body[cell[0], cell[1]] > 0
+        entered = _cell_mask(size, new_head)
+        # The tail leaves its cell this step unless the snake grows, so that cell may be entered
+        # (a cell holding 1 is the tail; food is never on the body).
+        inside = jnp.clip(new_head, 0, size - 1)
+        hits_self = ~hits_wall & (state.body[inside[0], inside[1]] > 1)
         dies = hits_wall | hits_self
         length = state.length + eats.astype(jnp.int32)
-        body = body.at[cell[0], cell[1]].set(jnp.where(dies, body[cell[0], cell[1]], length))
         wins = length == size * size
-        food = jnp.where(eats, self._place_food(key, body), state.food)
+        moved_body = jnp.where(eats, state.body, jnp.maximum(state.body - 1, 0))
+        body = jnp.where(entered, length, moved_body)
+        # On a win no cell is free: the food stays where it was eaten, under the head.
+        free = (state.body == 0) & ~entered  # equal to body == 0 (an eaten cell held the food)
+        food = jnp.where(eats & ~wins, self._place_food(key, free, size * size - length), state.food)
+        # A dying snake does not move: the last frame shows it facing the wall or its body.
         state = SnakeState(
-            body=body,
-            head=jnp.where(dies, state.head, cell),
+            body=jnp.where(dies, state.body, body),
+            head=jnp.where(dies, state.head, new_head),
             direction=direction,
             food=food,
             length=length,
@@ -493,12 +563,17 @@ class Snake(Environment):
     def is_truncated(self, state: SnakeState, params: SnakeParams) -> chex.Array:
         return state.steps_since_food >= params.max_steps_without_food
 
-    def get_obs(self, state: SnakeState, params: SnakeParams) -> chex.Array:
-        size = params.grid_size
-        head = jnp.zeros((size, size), jnp.float32).at[state.head[0], state.head[1]].set(1.0)
-        recency = state.body.astype(jnp.float32) / state.length.astype(jnp.float32)
-        food = jnp.zeros((size, size), jnp.float32).at[state.food[0], state.food[1]].set(1.0)
-        return jnp.stack([head, recency, food], axis=-1)
+    def get_obs(self, state: SnakeState, params: SnakeParams | None = None) -> chex.Array:
+        """float32[grid, grid, 3]: head one-hot, body / length, food one-hot. Written as one
+        elementwise expression over the channel axis (no stack, which costs a transpose)."""
+        size = state.body.shape[0]
+        channel = jnp.arange(3)
+        marked = jnp.where(channel == 0, state.head[:, None], state.food[:, None])  # [2, 3]: (row, col) per channel
+        rows = jnp.arange(size)[:, None, None]
+        cols = jnp.arange(size)[None, :, None]
+        one_hot = ((rows == marked[0]) & (cols == marked[1])).astype(jnp.float32)
+        recency = state.body[..., None].astype(jnp.float32) / state.length.astype(jnp.float32)
+        return jnp.where(channel == 1, recency, one_hot)
 
     def observation_space(self, params: SnakeParams) -> Box:
         return Box(0.0, 1.0, (params.grid_size, params.grid_size, 3))
@@ -516,13 +591,13 @@ class Snake(Environment):
 
     def render(self, state: SnakeState, params: SnakeParams, cell_pixels: int = 16) -> chex.Array:
         """Body shaded from tail to head, head dark, food red, one gridline between cells."""
+        size = state.body.shape[0]
         shade = state.body.astype(jnp.float32) / state.length.astype(jnp.float32)
         green = jnp.stack([40 + 40 * (1 - shade), 120 + 100 * (1 - shade), 40 + 40 * (1 - shade)], -1)
         cells = jnp.where((state.body > 0)[..., None], green, 235.0)
-        head_mask = jnp.zeros(state.body.shape, bool).at[state.head[0], state.head[1]].set(True)
-        food_mask = jnp.zeros(state.body.shape, bool).at[state.food[0], state.food[1]].set(True)
-        cells = jnp.where(head_mask[..., None], jnp.array([20.0, 70.0, 20.0]), cells)
-        cells = jnp.where((food_mask & (state.body == 0))[..., None], jnp.array([220.0, 40.0, 40.0]), cells)
+        cells = jnp.where(_cell_mask(size, state.head)[..., None], jnp.array([20.0, 70.0, 20.0]), cells)
+        food_visible = _cell_mask(size, state.food) & (state.body == 0)
+        cells = jnp.where(food_visible[..., None], jnp.array([220.0, 40.0, 40.0]), cells)
         image = jnp.repeat(jnp.repeat(cells, cell_pixels, axis=0), cell_pixels, axis=1)
         pixel = jnp.arange(image.shape[0]) % cell_pixels == 0
         gridlines = pixel[:, None] | pixel[None, :]
