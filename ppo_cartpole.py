@@ -515,8 +515,10 @@ def load_checkpoint(config: Config) -> tuple[Config, dict]:
     trained on other env settings than the --env.* flags given."""
     try:
         payload = serialization.msgpack_restore(Path(config.load_model).read_bytes())
-        script, env_id, saved = payload["script"], payload["env_id"], json.loads(payload["config"])
-        saved = Config(**{**saved, "env": EnvConfig(**saved["env"])})
+        script, env_id = payload["script"], payload["env_id"]
+        if (script, env_id) == (SCRIPT, ENV_ID):
+            saved = json.loads(payload["config"])
+            saved = Config(**{**saved, "env": EnvConfig(**saved["env"])})
     except Exception as error:  # any unreadable file is the same user error
         raise UsageError(f"--load-model {config.load_model} is not a readable model.msgpack ({error})") from None
     if (script, env_id) != (SCRIPT, ENV_ID):
