@@ -1,0 +1,380 @@
+"""Throughput benchmarks. Docs: docs/benchmarks.md
+
+    python benchmark.py envs                       # env steps/s of every env, 1 .. 65536 envs
+    python benchmark.py envs --quick --num-envs 1 4096
+
+`envs` steps every env of envs.py with random actions drawn on device and auto-reset on, as a
+jitted `lax.scan` over a batch of `num_envs` envs. When gymnax (CartPole-v1, Pendulum-v1) or
+jumanji (Snake-v1) is importable, their envs run in the same process under the same protocol,
+interleaved with ours, and the table shows the ratio ours / theirs. gymnax and jumanji are
+optional: they are not in requirements*.txt.
+
+Results are merged into docs/benchmarks.json: one row per measurement, keyed by
+(benchmark, library, env, num_envs, device), so other benchmarks add their own rows; `envs`
+also draws docs/benchmark_envs.png.
+Each subcommand is one entry of SUBCOMMANDS: a function that adds its arguments and one that runs.
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import envs
+
+RESULTS_PATH = "docs/benchmarks.json"
+ENV_NAMES = ["CartPole-v1", "CartPoleContinuous", "CartPoleSwingup", "Pendulum-v1", "Snake"]
+GYMNAX_NAMES = {"CartPole-v1", "Pendulum-v1"}  # the gymnax envs ours reproduce exactly
+JUMANJI_SNAKE_GRID = 12  # jumanji's Snake-v1 board is 12 x 12; ours runs at that size next to it
+JUMANJI_SNAKE_LABEL = f"Snake {JUMANJI_SNAKE_GRID}x{JUMANJI_SNAKE_GRID}"
+
+
+# ---------------------------------------------------------------------------------------------
+# results file and devices
+# ---------------------------------------------------------------------------------------------
+
+
+def device_label() -> str:
+    """A short, human name for the device the benchmark ran on."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return f"{os.cpu_count()}-core CPU"
+    return f"{len(jax.devices())}x {device.device_kind}"
+
+
+def merge_rows(path: str, rows: list[dict], key_fields: tuple[str, ...]) -> None:
+    """Write `rows` into the JSON file at `path`, replacing earlier rows with the same key."""
+    existing: list[dict] = []
+    if os.path.exists(path):
+        with open(path) as file:
+            existing = json.load(file)["rows"]
+    new_keys = {tuple(row.get(field) for field in key_fields) for row in rows}
+    kept = [row for row in existing if tuple(row.get(field) for field in key_fields) not in new_keys]
+    description = "Benchmark rows; see docs/benchmarks.md for the method of each benchmark."
+    # One row per line, so that a diff shows which measurements changed.
+    text = f'{{"description": {json.dumps(description)}, "rows": [\n'
+    text += ",\n".join(json.dumps(row) for row in kept + rows) + "\n]}\n"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    temporary = path + ".tmp"
+    with open(temporary, "w") as file:
+        file.write(text)
+    os.replace(temporary, path)
+
+
+def library_version(name: str) -> str:
+    return "envs.py" if name == "ours" else importlib.metadata.version(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# env throughput: one protocol for every library
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VectorEnv:
+    """A batch of `num_envs` envs of one library, reduced to what the timing loop needs:
+    `init(key) -> carry`; `draw(key, num_steps) -> inputs`, the random inputs of every step
+    (uniform actions, and per-env keys where the API takes them) with a leading step axis;
+    `step(carry, inputs_of_one_step) -> (carry, rewards)`, one auto-resetting step of every env.
+    The carry holds the latest observations, so no observation work is dead code."""
+
+    library: str
+    env: str
+    num_envs: int
+    init: Callable[[jax.Array], Any]
+    draw: Callable[[jax.Array, int], Any]
+    step: Callable[[Any, Any], tuple[Any, jax.Array]]
+
+
+def random_actions(key: jax.Array, action_space: Any, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform actions of the given batch shape, for envs.py's and gymnax's spaces alike.
+    Discrete ones as random bits modulo n (exact for n a power of two, within n / 2^32
+    otherwise), which hashes half as much as `jax.random.randint`."""
+    if hasattr(action_space, "n"):
+        return (jax.random.bits(key, shape) % action_space.n).astype(jnp.int32)
+    return jax.random.uniform(key, shape + action_space.shape, jnp.float32, action_space.low, action_space.high)
+
+
+def gymnax_style_vector_env(library: str, label: str, env: Any, params: Any, num_envs: int) -> VectorEnv:
+    """envs.py and gymnax share the API: reset(key, params), step(key, state, action, params)."""
+    action_space = env.action_space(params)
+    reset = jax.vmap(env.reset, in_axes=(0, None))
+    step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+
+    def init(key):
+        obs, state = reset(jax.random.split(key, num_envs), params)
+        return obs, state
+
+    def draw(key, num_steps):
+        key_actions, key_envs = jax.random.split(key)
+        actions = random_actions(key_actions, action_space, (num_steps, num_envs))
+        return actions, jax.random.split(key_envs, (num_steps, num_envs))
+
+    def step_all(carry, inputs):
+        _, state = carry
+        actions, keys = inputs
+        obs, state, reward, _, _, _ = step(keys, state, actions, params)
+        return (obs, state), reward
+
+    return VectorEnv(library, label, num_envs, init, draw, step_all)
+
+
+def ours(name: str, num_envs: int) -> VectorEnv:
+    env, params = envs.make(name)
+    return gymnax_style_vector_env("ours", name, env, params, num_envs)
+
+
+def ours_snake_as_jumanji(num_envs: int) -> VectorEnv:
+    """Our Snake on jumanji's board size, so that the two do the same work per step."""
+    env = envs.Snake()
+    params = envs.SnakeParams(grid_size=JUMANJI_SNAKE_GRID)
+    return gymnax_style_vector_env("ours", JUMANJI_SNAKE_LABEL, env, params, num_envs)
+
+
+def gymnax_env(name: str, num_envs: int) -> VectorEnv:
+    import gymnax
+
+    env, params = gymnax.make(name)
+    return gymnax_style_vector_env("gymnax", name, env, params, num_envs)
+
+
+def jumanji_snake(num_envs: int) -> VectorEnv:
+    """jumanji's Snake-v1 under its own auto-reset wrapper; its envs keep their keys in their
+    states, so only the actions are drawn."""
+    import jumanji
+    from jumanji.wrappers import AutoResetWrapper
+
+    env = AutoResetWrapper(jumanji.make("Snake-v1"))
+    assert env.unwrapped.num_rows == env.unwrapped.num_cols == JUMANJI_SNAKE_GRID
+    reset, step = jax.vmap(env.reset), jax.vmap(env.step)
+
+    def init(key):
+        state, timestep = reset(jax.random.split(key, num_envs))
+        return timestep.observation, state
+
+    def draw(key, num_steps):
+        return (jax.random.bits(key, (num_steps, num_envs)) % 4).astype(jnp.int32)
+
+    def step_all(carry, actions):
+        _, state = carry
+        state, timestep = step(state, actions)
+        return (timestep.observation, state), timestep.reward
+
+    return VectorEnv("jumanji", JUMANJI_SNAKE_LABEL, num_envs, init, draw, step_all)
+
+
+def compile_rollout(vector_env: VectorEnv, num_steps: int) -> tuple[Callable, Any, float]:
+    """The jitted `num_steps`-step rollout, its first carry, and the compile time in seconds.
+    The rollout draws every step's random inputs in one go (on device), scans the steps, and
+    returns the final carry and the sum of all rewards, so no step is dead code."""
+
+    def rollout(carry, key):
+        def body(loop, step_inputs):
+            carry, reward_sum = loop
+            carry, rewards = vector_env.step(carry, step_inputs)
+            return (carry, reward_sum + jnp.sum(rewards)), None
+
+        inputs = vector_env.draw(key, num_steps)
+        (carry, reward_sum), _ = jax.lax.scan(body, (carry, jnp.float32(0.0)), inputs)
+        return carry, reward_sum
+
+    key_init, key_run = jax.random.split(jax.random.key(0))
+    carry = jax.block_until_ready(jax.jit(vector_env.init)(key_init))
+    start = time.perf_counter()
+    compiled = jax.jit(rollout, donate_argnums=0).lower(carry, key_run).compile()
+    compile_seconds = time.perf_counter() - start
+    return compiled, carry, compile_seconds
+
+
+def steps_per_rollout(num_envs: int, quick: bool) -> int:
+    """Scan steps per timed run: ~4M env steps (0.5M with --quick), between 16 and 4096 steps,
+    so that even one env runs long enough (a few ms) to time."""
+    budget = 2**19 if quick else 2**22
+    return max(16, min(budget // num_envs, 512 if quick else 4096))
+
+
+def time_side_by_side(vector_envs: list[VectorEnv], num_steps: int, repeats: int) -> list[dict]:
+    """Compile each, warm up, then time `repeats` rollouts of each, interleaved so that load from
+    other processes hits all libraries alike. Reports the median steps/s of each, and for the
+    first (ours) its speed ratio to each other, as the median over the repeats of the ratio
+    within a repeat (runs seconds apart share the machine's load)."""
+    compiled = [compile_rollout(vector_env, num_steps) for vector_env in vector_envs]
+    carries = [carry for _, carry, _ in compiled]
+    seconds: list[list[float]] = [[] for _ in vector_envs]
+    keys = jax.random.split(jax.random.key(1), repeats + 1)
+    for repeat in range(repeats + 1):  # the first round is a warm-up
+        for index, (rollout, _, _) in enumerate(compiled):
+            start = time.perf_counter()
+            carries[index], reward_sum = rollout(carries[index], keys[repeat])
+            jax.block_until_ready((carries[index], reward_sum))
+            if repeat > 0:
+                seconds[index].append(time.perf_counter() - start)
+    rows = []
+    for vector_env, (_, _, compile_seconds), runs in zip(vector_envs, compiled, seconds, strict=True):
+        env_steps = vector_env.num_envs * num_steps
+        row = {
+            "library": vector_env.library,
+            "env": vector_env.env,
+            "num_envs": vector_env.num_envs,
+            "steps_per_second": round(env_steps / statistics.median(runs)),
+            "steps_per_second_runs": [round(env_steps / run) for run in runs],
+            "compile_seconds": round(compile_seconds, 3),
+            "num_steps": num_steps,
+        }
+        rows.append(row)
+    for reference, reference_runs in zip(rows[1:], seconds[1:], strict=True):
+        paired = [theirs / ours for ours, theirs in zip(seconds[0], reference_runs, strict=True)]
+        rows[0]["reference"] = reference["library"]
+        rows[0]["ratio_to_reference"] = round(statistics.median(paired), 3)
+        rows[0]["ratio_runs"] = [round(ratio, 3) for ratio in paired]
+    return rows
+
+
+def env_groups(names: list[str], num_envs: int, with_references: bool) -> list[list[VectorEnv]]:
+    """Groups timed together: each env of ours alone or next to the reference library's version
+    when that is importable (Snake: ours on jumanji's board size as well)."""
+    has_gymnax = with_references and importlib.util.find_spec("gymnax") is not None
+    has_jumanji = with_references and importlib.util.find_spec("jumanji") is not None
+    groups = []
+    for name in names:
+        if name in GYMNAX_NAMES and has_gymnax:
+            groups.append([ours(name, num_envs), gymnax_env(name, num_envs)])
+        else:
+            groups.append([ours(name, num_envs)])
+        if name == "Snake" and has_jumanji:
+            groups.append([ours_snake_as_jumanji(num_envs), jumanji_snake(num_envs)])
+    return groups
+
+
+def env_table(rows: list[dict]) -> str:
+    """Ours next to the reference, one line per env and size."""
+    by_key = {(row["library"], row["env"], row["num_envs"]): row for row in rows}
+    lines = [f"{'env':<20}{'num_envs':>9}{'ours steps/s':>15}{'reference':>10}{'ref steps/s':>15}{'ours/ref':>9}"]
+    for row in rows:
+        if row["library"] != "ours":
+            continue
+        reference = by_key.get((row.get("reference"), row["env"], row["num_envs"]))
+        line = f"{row['env']:<20}{row['num_envs']:>9}{row['steps_per_second']:>15,}"
+        if reference is not None:
+            line += f"{reference['library']:>10}{reference['steps_per_second']:>15,}{row['ratio_to_reference']:>9.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot_env_rows(rows: list[dict], path: str, device: str) -> None:
+    """Steps per second against the number of envs, one line per library and env."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for library, env in sorted({(row["library"], row["env"]) for row in rows}):
+        points = sorted(
+            (row["num_envs"], row["steps_per_second"]) for row in rows if (row["library"], row["env"]) == (library, env)
+        )
+        style = "-o" if library == "ours" else "--s"
+        axes.plot(*zip(*points, strict=True), style, label=f"{env} ({library})")
+    axes.set(
+        xscale="log",
+        yscale="log",
+        xlabel="parallel envs",
+        ylabel="env steps per second",
+        title=f"env throughput, {device}",
+    )
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def add_envs_arguments(parser: argparse.ArgumentParser) -> None:
+    gpu = jax.devices()[0].platform != "cpu"
+    parser.add_argument(
+        "--num-envs",
+        type=int,
+        nargs="+",
+        default=[1, 256, 4096, 65536] + ([2**20] if gpu else []),
+        help="batch sizes to measure (default 1 256 4096 65536, and 2^20 on a GPU)",
+    )
+    parser.add_argument("--envs", nargs="+", default=ENV_NAMES, choices=ENV_NAMES, help="which envs (default: all)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
+    parser.add_argument("--quick", action="store_true", help="8x fewer env steps per timed run")
+    parser.add_argument("--no-reference", action="store_true", help="skip gymnax and jumanji even when importable")
+
+
+def run_envs(args: argparse.Namespace) -> list[dict]:
+    if args.repeats < 1 or min(args.num_envs) < 1:
+        raise SystemExit("--repeats and every --num-envs must be >= 1")
+    device = device_label()
+    print(f"env steps per second on {device}, jax {jax.__version__}, median of {args.repeats} runs")
+    rows = []
+    for num_envs in args.num_envs:
+        num_steps = steps_per_rollout(num_envs, args.quick)
+        for group in env_groups(args.envs, num_envs, not args.no_reference):
+            measured = time_side_by_side(group, num_steps, args.repeats)
+            for row in measured:
+                ratio = f", {row['ratio_to_reference']:.2f}x {row['reference']}" if "reference" in row else ""
+                print(
+                    f"  {row['library']:>8} {row['env']:<20}{num_envs:>8} envs: {row['steps_per_second']:>14,} steps/s"
+                    f" (compile {row['compile_seconds']:.2f} s{ratio})",
+                    flush=True,
+                )
+            rows += measured
+    print("\n" + env_table(rows))
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    for row in rows:
+        row.update(
+            benchmark="env_steps",
+            repeats=args.repeats,
+            device=device,
+            jax_version=jax.__version__,
+            library_version=library_version(row["library"]),
+            date=date,
+        )
+    if not args.no_save:
+        plot_path = os.path.join(os.path.dirname(args.output) or ".", "benchmark_envs.png")
+        plot_env_rows(rows, plot_path, device)
+        print(f"wrote {plot_path}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+
+# name -> (help, add_arguments, run). A subcommand's run returns the rows it measured.
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], list]]] = {
+    "envs": ("env steps per second of every env, next to gymnax / jumanji", add_envs_arguments, run_envs),
+}
+ROW_KEY = ("benchmark", "library", "env", "num_envs", "device")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", default=RESULTS_PATH, help=f"JSON the rows merge into (default {RESULTS_PATH})")
+    parser.add_argument("--no-save", action="store_true", help="print only, write no file")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_arguments, _) in SUBCOMMANDS.items():
+        add_arguments(commands.add_parser(name, help=help_text))
+    args = parser.parse_args()
+    rows = SUBCOMMANDS[args.command][2](args)
+    if not args.no_save:
+        merge_rows(args.output, rows, ROW_KEY)
+        print(f"\nwrote {len(rows)} rows to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
