@@ -1,9 +1,6 @@
-"""PPO on CartPole-v1, fully on device. Docs: docs/ppo.md
-
-Proximal policy optimisation (Schulman et al. 2017) with GAE (Schulman et al. 2016) and the
-details of Huang et al. 2022 ("The 37 implementation details of PPO"), in the shape of CleanRL's
-ppo.py but pure JAX in the manner of PureJaxRL: the envs, the rollout and every update stay on
-the device, and one compiled `lax.scan` runs a whole chunk of PPO iterations.
+"""PPO on CartPole-v1, fully on device: CleanRL's ppo.py in pure JAX, one compiled lax.scan per
+chunk of PPO iterations (Schulman et al. 2017; GAE, Schulman et al. 2016; the details of Huang et
+al. 2022). Docs: docs/ppo.md
 
     python ppo_cartpole.py                   # train, evaluate, write runs/ppo_cartpole__0__<time>/
     python ppo_cartpole.py --num-seeds 16    # 16 seeds in one vmapped program
@@ -46,9 +43,7 @@ LOSS_NAMES = ("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac")
 METRIC_NAMES = ("episode_return", "episode_length", *LOSS_NAMES)
 CSV_COLUMNS = ("seed", "env_steps", "updates", "wall_seconds", "sps", *METRIC_NAMES)
 
-# ---------------------------------------------------------------------------------------------
-# config
-# ---------------------------------------------------------------------------------------------
+# ---- config ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -57,20 +52,12 @@ class EnvConfig:
 
     gravity: float = 9.8
     """gravitational acceleration (m/s^2)"""
-    masscart: float = 1.0
-    """mass of the cart (kg)"""
     masspole: float = 0.1
     """mass of the pole (kg)"""
     length: float = 0.5
     """half the pole's length (m)"""
     force_mag: float = 10.0
     """force of one push (N)"""
-    tau: float = 0.02
-    """seconds between state updates"""
-    theta_threshold_radians: float = 12 * 2 * math.pi / 360
-    """the episode terminates when the pole leans further than this (rad)"""
-    x_threshold: float = 2.4
-    """the episode terminates when the cart leaves [-x_threshold, x_threshold] (m)"""
     max_steps_in_episode: int = 500
     """time limit in steps (a truncation: GAE still bootstraps there)"""
 
@@ -137,9 +124,7 @@ class UsageError(Exception):
     """A user error: reported as one line, exit status 2, no traceback."""
 
 
-class Sizes(NamedTuple):
-    """The counts that follow from the config, computed in one place."""
-
+class Sizes(NamedTuple):  # the counts that follow from the config
     batch_size: int  # env steps per PPO iteration, all envs
     updates_per_iteration: int  # gradient steps
     iterations_per_chunk: int
@@ -160,25 +145,19 @@ def sizes(config: Config) -> Sizes:
 
 def validate(config: Config) -> None:
     """Raise UsageError naming the first bad flag and its allowed range; compiles nothing."""
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
-
-    for name in ["num_seeds", "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
-                 "hidden_size", "eval_episodes", "log_every"]:
-        if getattr(config, name) < 1:
-            raise UsageError(f"{flag(name)} must be >= 1, got {getattr(config, name)}")
-    for name in ["learning_rate", "clip_coef", "max_grad_norm"]:
-        if not getattr(config, name) > 0:
-            raise UsageError(f"{flag(name)} must be > 0, got {getattr(config, name)}")
-    for name in ["ent_coef", "vf_coef"]:
-        if not getattr(config, name) >= 0:
-            raise UsageError(f"{flag(name)} must be >= 0, got {getattr(config, name)}")
-    if not 0 < config.gamma <= 1:
-        raise UsageError(f"--gamma must be in (0, 1], got {config.gamma}")
-    if not 0 <= config.gae_lambda <= 1:
-        raise UsageError(f"--gae-lambda must be in [0, 1], got {config.gae_lambda}")
-    if not 0 <= config.seed < 2**31 - config.num_seeds:
-        raise UsageError(f"--seed must be in [0, 2**31 - num_seeds), got {config.seed}")
+    rules = [
+        (">= 1", lambda value: value >= 1, ["num_seeds", "total_timesteps", "num_envs", "num_steps", "log_every",
+                                             "num_minibatches", "update_epochs", "hidden_size", "eval_episodes"]),
+        ("> 0", lambda value: value > 0, ["learning_rate", "clip_coef", "max_grad_norm"]),
+        (">= 0", lambda value: value >= 0, ["ent_coef", "vf_coef"]),
+        ("in (0, 1]", lambda value: 0 < value <= 1, ["gamma"]),
+        ("in [0, 1]", lambda value: 0 <= value <= 1, ["gae_lambda"]),
+        ("in [0, 2**31 - num_seeds)", lambda value: 0 <= value < 2**31 - config.num_seeds, ["seed"]),
+    ]
+    for allowed, holds, names in rules:
+        for name in names:
+            if not holds(getattr(config, name)):
+                raise UsageError(f"--{name.replace('_', '-')} must be {allowed}, got {getattr(config, name)}")
     for name, value in dataclasses.asdict(config.env).items():
         if not value > 0:
             raise UsageError(f"--env.{name.replace('_', '-')} must be > 0, got {value}")
@@ -198,9 +177,7 @@ def validate(config: Config) -> None:
                          f"over which the seeds are sharded; got {config.num_seeds}")
 
 
-# ---------------------------------------------------------------------------------------------
-# networks
-# ---------------------------------------------------------------------------------------------
+# ---- networks -------------------------------------------------------------------------------
 
 
 class MLP(nn.Module):
@@ -250,9 +227,7 @@ def categorical_log_prob(logits: chex.Array, action: chex.Array) -> chex.Array:
     return jnp.take_along_axis(jax.nn.log_softmax(logits), action[..., None], axis=-1)[..., 0]
 
 
-# ---------------------------------------------------------------------------------------------
-# train state and losses
-# ---------------------------------------------------------------------------------------------
+# ---- train state and losses -----------------------------------------------------------------
 
 
 @struct.dataclass
@@ -265,9 +240,7 @@ class TrainState:
 
 
 @struct.dataclass
-class Transition:
-    """One rollout step of every env ([num_steps, num_envs, ...] after the scan)."""
-
+class Transition:  # one rollout step of every env; [num_steps, num_envs, ...] after the scan
     obs: chex.Array
     action: chex.Array
     log_prob: chex.Array
@@ -281,9 +254,7 @@ class Transition:
 
 
 @struct.dataclass
-class Batch:
-    """What the PPO update needs of each sample (leading axis: samples)."""
-
+class Batch:  # what the PPO update needs of each sample; leading axis: samples
     obs: chex.Array
     action: chex.Array
     log_prob: chex.Array
@@ -343,9 +314,7 @@ def minibatch_indices(key: chex.PRNGKey, num_epochs: int, batch_size: int, num_m
     return permutations.reshape(num_epochs, num_minibatches, batch_size // num_minibatches)
 
 
-# ---------------------------------------------------------------------------------------------
-# training
-# ---------------------------------------------------------------------------------------------
+# ---- training -------------------------------------------------------------------------------
 
 
 def make_env(config: Config) -> tuple[envs.Environment, envs.CartPoleParams]:
@@ -363,8 +332,7 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
     actor, critic = make_networks(config, env.num_actions)
     step_envs = jax.vmap(env.step, in_axes=(0, 0, 0, None))
 
-    def learning_rate(count: chex.Array) -> chex.Array:
-        """Linear to 0 over training, constant within an iteration (as CleanRL)."""
+    def learning_rate(count: chex.Array) -> chex.Array:  # linear to 0, constant within an iteration (CleanRL)
         fraction_left = 1.0 - (count // size.updates_per_iteration) / size.num_iterations
         return config.learning_rate * (fraction_left if config.anneal_lr else 1.0)
 
@@ -414,8 +382,7 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
         values = critic.apply(params["critic"], minibatch.obs)[..., 0]
         v_loss = value_loss(values, minibatch.value, minibatch.target, config.clip_coef, config.clip_vloss)
         loss = pg_loss - config.ent_coef * entropy + config.vf_coef * v_loss
-        return loss, dict(value_loss=v_loss, policy_loss=pg_loss, entropy=entropy, approx_kl=approx_kl,
-                          clip_frac=clip_frac)
+        return loss, dict(zip(LOSS_NAMES, (v_loss, pg_loss, entropy, approx_kl, clip_frac), strict=True))
 
     def update_minibatch(carry, minibatch: Batch):
         params, opt_state = carry
@@ -442,7 +409,7 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
         (params, opt_state), losses = jax.lax.scan(partial(update_epoch, batch), (state.params, state.opt_state),
                                                    indices)
         done = transitions.episode_done
-        stats = {name: values.mean() for name, values in losses.items()}
+        stats = {name: loss.mean() for name, loss in losses.items()}
         stats |= dict(episodes=done.sum(), return_sum=jnp.where(done, transitions.episode_return, 0.0).sum(),
                       length_sum=jnp.where(done, transitions.episode_length, 0).sum())
         return state.replace(params=params, opt_state=opt_state, key=key), stats
@@ -463,15 +430,12 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
     return init, run_chunk, train
 
 
-# ---------------------------------------------------------------------------------------------
-# evaluation, checkpoint, plots, GIF
-# ---------------------------------------------------------------------------------------------
+# ---- evaluation, checkpoint, plots, GIF -----------------------------------------------------
 
 
 def make_evaluate(config: Config) -> Callable:
-    """evaluate(actor_params, key) -> (returns [eval_episodes], env states [eval_episodes,
-    max_steps]) of the greedy (argmax) policy. Each episode runs the time limit's steps without
-    auto-reset; once it has ended, its state stays as it was (the GIF shows these states)."""
+    """evaluate(actor_params, key) -> (returns [eval_episodes], env states [eval_episodes, max_steps]) of
+    the greedy policy: the time limit's steps without auto-reset, the state kept once an episode ended."""
     env, env_params = make_env(config)
     actor, _ = make_networks(config, env.num_actions)
 
@@ -479,9 +443,8 @@ def make_evaluate(config: Config) -> Callable:
         def step(carry, key):
             obs, env_state, total, running = carry
             action = jnp.argmax(actor.apply(actor_params, obs))
-            next_obs, next_state, reward, terminated, _ = env.step_env(key, env_state, action, env_params)
-            obs, env_state = jax.tree.map(lambda new, old: jnp.where(running, new, old), (next_obs, next_state),
-                                          (obs, env_state))
+            obs, next_state, reward, terminated, _ = env.step_env(key, env_state, action, env_params)
+            env_state = jax.tree.map(lambda new, old: jnp.where(running, new, old), next_state, env_state)
             return (obs, env_state, total + reward * running, running & ~terminated), env_state
 
         carry = (*env.reset(keys[0], env_params), jnp.float32(0.0), jnp.bool_(True))
@@ -495,24 +458,31 @@ def make_evaluate(config: Config) -> Callable:
     return evaluate
 
 
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write a temporary file, then rename it: a reader never sees a half-written file."""
+def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    """write(temporary path), then a rename: a reader never sees a half-written file."""
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_bytes(data.encode() if isinstance(data, str) else data)
+    write(temporary)
     os.replace(temporary, path)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(path, lambda temporary: temporary.write_text(text.getvalue()))
 
 
 def save_checkpoint(path: Path, config: Config, params: dict) -> None:
     """Every seed's parameters (leading seed axis), with the config, script and env id."""
     payload = {"script": SCRIPT, "env_id": ENV_ID, "config": json.dumps(dataclasses.asdict(config)),
                "params": jax.device_get(params)}
-    write_atomic(path, serialization.msgpack_serialize(payload))
+    write_atomic(path, lambda temporary: temporary.write_bytes(serialization.msgpack_serialize(payload)))
 
 
 def load_checkpoint(config: Config) -> tuple[Config, dict]:
-    """(the config to evaluate with, every seed's actor params). The seeds and the network are
-    the checkpoint's; UsageError for a file that is not this script's checkpoint, or that was
-    trained on other env settings than the --env.* flags given."""
+    """(the checkpoint's config with this run's evaluation and output flags, every seed's actor
+    params); UsageError for a file that is not a checkpoint of this script and env."""
     try:
         payload = serialization.msgpack_restore(Path(config.load_model).read_bytes())
         script, env_id = payload["script"], payload["env_id"]
@@ -524,38 +494,20 @@ def load_checkpoint(config: Config) -> tuple[Config, dict]:
     if (script, env_id) != (SCRIPT, ENV_ID):
         raise UsageError(f"--load-model {config.load_model} is a {script} checkpoint for {env_id}; "
                          f"this script evaluates {SCRIPT} on {ENV_ID}")
-    for name, value in dataclasses.asdict(config.env).items():
-        if getattr(saved.env, name) != value:
-            raise UsageError(f"--env.{name.replace('_', '-')} is {value} but the checkpoint was trained with "
-                             f"{getattr(saved.env, name)}; pass the same --env.* flags")
-    config = dataclasses.replace(config, seed=saved.seed, num_seeds=saved.num_seeds, hidden_size=saved.hidden_size)
-    validate(config)
-    init, _, _ = make_train(config)
-    expected = jax.eval_shape(jax.vmap(init), seed_keys(config)).params["actor"]
-    actor_params = payload["params"]["actor"]
-    if jax.tree.map(np.shape, actor_params) != jax.tree.map(lambda leaf: leaf.shape, expected):
-        raise UsageError(f"--load-model {config.load_model}: the actor's shapes do not match its config")
-    return config, actor_params
-
-
-def write_metrics_csv(path: Path, rows: list[dict]) -> None:
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
-    write_atomic(path, text.getvalue())
+    config = dataclasses.replace(saved, eval_episodes=config.eval_episodes, output_dir=config.output_dir,
+                                 capture_gif=config.capture_gif, load_model=config.load_model, eval_only=True)
+    validate(config)  # e.g. its seeds on the devices visible now
+    return config, payload["params"]["actor"]
 
 
 def plot_curves(path: Path, rows: list[dict]) -> None:
     """Return and losses against env steps: the mean over seeds and the min-max band."""
-    import matplotlib  # imported here: only this output needs it, and it is slow to import
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # imported here: only this output needs it, and it is slow to import
 
     seeds = sorted({row["seed"] for row in rows})
     steps = [row["env_steps"] for row in rows if row["seed"] == seeds[0]]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    fig = Figure(figsize=(13, 7), layout="tight")
+    axes = fig.subplots(2, 3)
     for ax, name in zip(axes.flat, ["episode_return", *LOSS_NAMES], strict=True):
         values = np.array([[row[name] for row in rows if row["seed"] == seed] for seed in seeds], float)
         ax.plot(steps, np.nanmean(values, axis=0))
@@ -564,32 +516,24 @@ def plot_curves(path: Path, rows: list[dict]) -> None:
         ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     axes.flat[0].axhline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
     fig.suptitle(f"PPO on {ENV_ID}, {len(seeds)} seed(s)")
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90)
-    plt.close(fig)
-    write_atomic(path, buffer.getvalue())
+    write_atomic(path, lambda temporary: fig.savefig(temporary, format="png", dpi=90))
 
 
-def write_gif(path: Path, config: Config, states: envs.CartPoleState, num_carts: int = 4,
-              steps_per_frame: int = 2) -> None:
-    """The first `num_carts` evaluation episodes ([episodes, steps] states) side by side, drawn
-    by the env's own renderer, every `steps_per_frame`-th step, in real time."""
+def write_gif(path: Path, config: Config, states: envs.CartPoleState, steps_per_frame: int = 2) -> None:
+    """The first four evaluation episodes ([episodes, steps] states) side by side, drawn by the
+    env's own renderer, every `steps_per_frame`-th step, in real time."""
     from PIL import Image  # matplotlib's dependency
 
     env, env_params = make_env(config)
-    states = jax.tree.map(lambda x: x[:num_carts, ::steps_per_frame], states)
+    states = jax.tree.map(lambda x: x[:4, ::steps_per_frame], states)
     render = jax.jit(jax.vmap(jax.vmap(lambda state: env.render(state, env_params, height=120, width=180))))
     images = [Image.fromarray(frame) for frame in np.concatenate(list(np.asarray(render(states))), axis=2)]
-    buffer = io.BytesIO()
-    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:],
-                   duration=round(1000 * steps_per_frame * config.env.tau), loop=0)
-    write_atomic(path, buffer.getvalue())
+    write_atomic(path, lambda temporary: images[0].save(temporary, format="GIF", save_all=True, loop=0,
+                                                       append_images=images[1:],
+                                                       duration=round(1000 * steps_per_frame * env_params.tau)))
 
 
-# ---------------------------------------------------------------------------------------------
-# main
-# ---------------------------------------------------------------------------------------------
+# ---- main -----------------------------------------------------------------------------------
 
 
 def seed_keys(config: Config) -> chex.PRNGKey:
@@ -597,19 +541,27 @@ def seed_keys(config: Config) -> chex.PRNGKey:
     return jax.vmap(jax.random.key)(config.seed + jnp.arange(config.num_seeds))
 
 
-def train_with_progress(config: Config, sharding: NamedSharding, out: Path, stop: threading.Event):
+def train_with_progress(config: Config, sharding: NamedSharding, out: Path) -> tuple[dict, dict, list[dict]]:
     """The CLI's training: the jitted, vmapped run_chunk called once per chunk with the state
-    donated, one progress line and one metrics row per seed in between. Stops early when `stop`
-    is set. Returns (every seed's params, summary, metrics rows); exits on a non-finite value."""
+    donated; in between, one progress line and the metrics rows. Ctrl-C stops it after the
+    chunk. Returns (every seed's params, summary, metrics rows); exits on a non-finite value."""
     size = sizes(config)
     init, run_chunk, _ = make_train(config)
-    keys = jax.device_put(seed_keys(config), sharding)
     start = time.perf_counter()
-    state = jax.jit(jax.vmap(init), out_shardings=sharding)(keys)
+    state = jax.jit(jax.vmap(init), out_shardings=sharding)(jax.device_put(seed_keys(config), sharding))
     run_chunk = jax.jit(jax.vmap(run_chunk), out_shardings=sharding, donate_argnums=0).lower(state).compile()
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
 
+    stop = threading.Event()
+
+    def request_stop(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("\nCtrl-C: stopping after this chunk (press again to abort)", flush=True)
+
+    previous_handler = signal.signal(signal.SIGINT, request_stop)
     rows: list[dict] = []
     start = last = time.perf_counter()
     for chunk in range(1, size.num_chunks + 1):
@@ -621,7 +573,7 @@ def train_with_progress(config: Config, sharding: NamedSharding, out: Path, stop
         rows += [dict(seed=config.seed + i, env_steps=env_steps, updates=updates, wall_seconds=round(elapsed, 3),
                       sps=round(sps), **{name: float(metrics[name][i]) for name in METRIC_NAMES})
                  for i in range(config.num_seeds)]
-        write_metrics_csv(out / "metrics.csv", rows)
+        write_csv(out / "metrics.csv", rows)  # all rows so far: valid whenever the run stops
         returns = metrics["episode_return"]
         spread = f" ± {np.nanstd(returns):.1f} (min {np.nanmin(returns):.1f})" if config.num_seeds > 1 else ""
         print(f"steps {env_steps:,}/{size.env_steps:,} ({env_steps / size.env_steps:.0%}) | SPS {sps:,.0f} | "
@@ -638,6 +590,7 @@ def train_with_progress(config: Config, sharding: NamedSharding, out: Path, stop
         if stop.is_set():
             break
     train_seconds = time.perf_counter() - start
+    signal.signal(signal.SIGINT, previous_handler)
     summary = dict(train_seconds=train_seconds, compile_seconds=compile_seconds, env_steps=env_steps,
                    env_steps_per_second=env_steps / train_seconds, updates=updates,
                    updates_per_second=updates / train_seconds, stopped_early=chunk < size.num_chunks)
@@ -658,24 +611,15 @@ def main(config: Config) -> None:
     device = f"{len(devices)} x {devices[0].device_kind}"
     out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+    write_atomic(out / "config.json",
+                 lambda temporary: temporary.write_text(json.dumps(dataclasses.asdict(config), indent=2)))
     size = sizes(config)
     print(f"{SCRIPT}: {ENV_ID} on {device}, {config.num_seeds} seed(s) x {config.num_envs} envs"
           + ("" if config.eval_only else f", {size.num_iterations} iterations of {size.batch_size} steps in "
              f"{size.num_chunks} chunks ({size.env_steps:,} env steps per seed)") + f"; outputs in {out}", flush=True)
-
-    stop = threading.Event()
-
-    def request_stop(signum, frame):
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        print("\nCtrl-C: stopping after this chunk (press again to abort)", flush=True)
-
-    signal.signal(signal.SIGINT, request_stop)
     summary: dict[str, Any] = dict(eval_only=config.eval_only)
     if not config.eval_only:
-        params, train_summary, rows = train_with_progress(config, sharding, out, stop)
+        params, train_summary, rows = train_with_progress(config, sharding, out)
         actor_params, summary = params["actor"], summary | train_summary
         if config.save_model:
             save_checkpoint(out / "model.msgpack", config, params)
@@ -690,12 +634,11 @@ def main(config: Config) -> None:
     summary = dict(final_returns=final_returns.tolist(), final_return_mean=float(final_returns.mean()),
                    final_return_std=float(final_returns.std()), **summary, num_seeds=config.num_seeds,
                    num_envs=config.num_envs, eval_episodes=config.eval_episodes, device=device)
-    write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / "summary.json", lambda temporary: temporary.write_text(json.dumps(summary, indent=2)))
     if config.plot and not config.eval_only:
         plot_curves(out / "curves.png", rows)
     if config.capture_gif:
         write_gif(out / "policy.gif", config, jax.device_get(jax.tree.map(lambda x: x[0], states)))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"wrote {', '.join(sorted(path.name for path in out.iterdir()))}")
 
 
