@@ -421,14 +421,15 @@ class Pendulum(Environment):
         return "Pendulum-v1"
 
     def render(self, state: PendulumState, params: PendulumParams, height: int = 200, width: int = 200) -> chex.Array:
-        """The rod from the pivot (theta = 0 points up) and a bar showing the torque."""
+        """The rod from the pivot and a bar showing the torque. As gymnasium draws it, theta = 0
+        points up and positive theta and torque turn counter-clockwise (the bar grows left)."""
         rows, cols = _pixel_grid(height, width)
         centre = jnp.array([height / 2, width / 2])
         rod_length = 0.4 * min(height, width)
-        tip = centre + rod_length * jnp.stack([-jnp.cos(state.theta), jnp.sin(state.theta)])
+        tip = centre + rod_length * jnp.stack([-jnp.cos(state.theta), -jnp.sin(state.theta)])
         image = _blank(height, width)
         image = _paint(image, _segment_mask(rows, cols, centre, tip, 0.05 * rod_length), (204, 77, 77))
-        torque_end = centre + jnp.stack([0.45 * height, state.last_u / params.max_torque * 0.4 * width])
+        torque_end = centre + jnp.stack([0.45 * height, -state.last_u / params.max_torque * 0.4 * width])
         torque_start = centre + jnp.array([0.45 * height, 0.0])
         image = _paint(image, _segment_mask(rows, cols, torque_start, torque_end, 2.0), (60, 60, 200))
         pivot = (rows - centre[0]) ** 2 + (cols - centre[1]) ** 2 < (0.04 * rod_length) ** 2
