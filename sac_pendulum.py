@@ -12,8 +12,8 @@ a whole chunk of (act in all envs, store, update) iterations between two progres
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import csv
 import dataclasses
 import io
 import json
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import tyro
+from chex import Array, PRNGKey
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -43,15 +44,11 @@ import envs
 SCRIPT, ENV_ID = "sac_pendulum", "Pendulum-v1"
 Params = Any  # a flax parameter tree
 
-# ---------------------------------------------------------------------------------------------
-# config
-# ---------------------------------------------------------------------------------------------
-
+# ---- config ----
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
     """Pendulum-v1 physics (envs.PendulumParams); the defaults are gymnasium's."""
-
     max_speed: float = 8.0
     """angular velocity limit (rad/s)"""
     max_torque: float = 2.0
@@ -121,7 +118,6 @@ class Config:
 class UsageError(Exception):
     """A user error: reported as one line, exit status 2, no traceback."""
 
-
 def chunk_counts(config: Config) -> tuple[int, int]:
     """(iterations per chunk, number of chunks); an iteration steps every env once."""
     iterations_per_chunk = max(config.log_every // max(config.num_envs, 1), 1)
@@ -130,36 +126,31 @@ def chunk_counts(config: Config) -> tuple[int, int]:
 
 def validate(config: Config) -> None:
     """Raise UsageError naming the first bad flag and its allowed range; compiles nothing."""
-    c, e = config, config.env
-    iterations_per_chunk, num_chunks = chunk_counts(config)
+    c, e, (iterations_per_chunk, num_chunks) = config, config.env, chunk_counts(config)
     chunk_steps, trained_steps = iterations_per_chunk * c.num_envs, num_chunks * iterations_per_chunk * c.num_envs
-    checks = [
-        *[(getattr(c, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}")
-          for name in ["num_seeds", "num_envs", "total_timesteps", "batch_size", "buffer_size", "updates_per_step",
-                       "eval_episodes", "log_every"]],
-        (0 <= c.seed < 2**31 - c.num_seeds, f"--seed must be in [0, 2**31 - num-seeds), got {c.seed}"),
-        (c.learning_rate > 0, f"--learning-rate must be > 0, got {c.learning_rate}"),
-        (0 < c.gamma <= 1, f"--gamma must be in (0, 1], got {c.gamma}"),
-        (0 < c.tau <= 1, f"--tau must be in (0, 1], got {c.tau}"),
-        (c.buffer_size >= c.num_envs, f"--buffer-size must be >= --num-envs ({c.num_envs}), got {c.buffer_size}"),
-        (c.batch_size <= c.buffer_size, f"--batch-size must be <= --buffer-size ({c.buffer_size}), got {c.batch_size}"),
-        (c.max_grad_norm is None or c.max_grad_norm > 0, f"--max-grad-norm must be > 0 or None, got {c.max_grad_norm}"),
-        (len(c.hidden_sizes) > 0 and min(c.hidden_sizes) >= 1,
-         f"--hidden-sizes must be one or more widths >= 1, got {c.hidden_sizes}"),
-        (c.eval_only or num_chunks >= 1,
-         f"--total-timesteps must be >= one chunk ({chunk_steps} env steps, see --log-every), got {c.total_timesteps}"),
-        (c.eval_only or 0 <= c.learning_starts < trained_steps,
-         f"--learning-starts must be in [0, {trained_steps}) (the env steps trained), got {c.learning_starts}"),
-        *[(getattr(e, name) > 0, f"--env.{name.replace('_', '-')} must be > 0, got {getattr(e, name)}")
-          for name in ["max_speed", "max_torque", "dt", "m", "l", "max_steps_in_episode"]],
-        (c.num_seeds % jax.device_count() == 0,
-         f"--num-seeds must be a multiple of the {jax.device_count()} visible devices, got {c.num_seeds}"),
-        (c.eval_only == (c.load_model is not None), "--eval-only and --load-model PATH go together"),
-        (c.load_model is None or Path(c.load_model).is_file(), f"--load-model: no such file {c.load_model}"),
+    rules = [(name, getattr(c, name) >= 1, ">= 1") for name in [
+        "num_seeds", "num_envs", "total_timesteps", "batch_size", "buffer_size", "updates_per_step", "eval_episodes",
+        "log_every"]] + [(f"env.{name}", getattr(e, name) > 0, "> 0") for name in [
+        "max_speed", "max_torque", "dt", "m", "l", "max_steps_in_episode"]] + [
+        ("seed", 0 <= c.seed < 2**31 - c.num_seeds, "in [0, 2**31 - num-seeds)"),
+        ("learning_rate", c.learning_rate > 0, "> 0"),
+        ("gamma", 0 < c.gamma <= 1, "in (0, 1]"),
+        ("tau", 0 < c.tau <= 1, "in (0, 1]"),
+        ("buffer_size", c.buffer_size >= c.num_envs, f">= --num-envs ({c.num_envs})"),
+        ("batch_size", c.batch_size <= c.buffer_size, f"<= --buffer-size ({c.buffer_size})"),
+        ("max_grad_norm", c.max_grad_norm is None or c.max_grad_norm > 0, "> 0 or None"),
+        ("hidden_sizes", len(c.hidden_sizes) > 0 and min(c.hidden_sizes) >= 1, "one or more widths >= 1"),
+        ("total_timesteps", c.eval_only or num_chunks >= 1, f">= one chunk ({chunk_steps} env steps, see --log-every)"),
+        ("learning_starts", c.eval_only or 0 <= c.learning_starts < trained_steps,
+         f"in [0, {trained_steps}) (the env steps trained)"),
+        ("num_seeds", c.num_seeds % jax.device_count() == 0, f"a multiple of the {jax.device_count()} devices"),
+        ("load_model", c.eval_only == (c.load_model is not None), "given with --eval-only, and only then"),
+        ("load_model", c.load_model is None or Path(c.load_model).is_file(), "an existing file"),
     ]
-    for ok, message in checks:
+    for name, ok, allowed in rules:
         if not ok:
-            raise UsageError(message)
+            value = getattr(e, name[4:]) if name.startswith("env.") else getattr(c, name)
+            raise UsageError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
 
 
 def parse_config(args: Sequence[str] | None = None) -> Config:
@@ -169,63 +160,39 @@ def parse_config(args: Sequence[str] | None = None) -> Config:
         with contextlib.redirect_stderr(captured):
             return tyro.cli(Config, args=args, description=__doc__.splitlines()[0])
     except SystemExit as exit_:
-        lines = [line.strip("│╭╮╰╯─ ") for line in captured.getvalue().splitlines()]
-        message = [line for line in lines if line][1:2] or ["invalid arguments"]
-        print(f"{SCRIPT}.py: error: {message[0]} (see --help)", file=sys.stderr)
-        raise SystemExit(exit_.code) from None
+        lines = [text for line in captured.getvalue().splitlines() if (text := line.strip("│╭╮╰╯─ "))]
+        if exit_.code:  # not --help; the box's title, then its message
+            print(f"{SCRIPT}.py: error: {(lines + ['', 'bad arguments'])[1]} (see --help)", file=sys.stderr)
+        raise
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """Everything else derived from the config, computed once and never written back into it."""
-
-    env: envs.Pendulum
-    env_params: envs.PendulumParams
-    actor: nn.Module
-    critic: nn.Module
-    obs_dim: int
-    action_dim: int
-    action_scale: chex.Array  # actions are action_offset + action_scale * tanh(u)
-    action_offset: chex.Array
-    target_entropy: float
-    iterations_per_chunk: int
-    num_chunks: int
+# Everything else derived from the config, once; actions are action_offset + action_scale * tanh(u).
+Setup = collections.namedtuple("Setup", "env env_params actor critic obs_dim action_dim action_scale action_offset "
+                                        "target_entropy")
 
 
 def make_setup(config: Config) -> Setup:
     env, env_params = envs.Pendulum(), envs.PendulumParams(**dataclasses.asdict(config.env))
-    action_space = env.action_space(env_params)
-    action_dim = action_space.shape[0]
-    return Setup(
-        env=env,
-        env_params=env_params,
-        actor=Actor(config.hidden_sizes, action_dim),
-        critic=Critic(config.hidden_sizes),
-        obs_dim=env.observation_space(env_params).shape[0],
-        action_dim=action_dim,
-        action_scale=(action_space.high - action_space.low) / 2,
-        action_offset=(action_space.high + action_space.low) / 2,
-        target_entropy=-action_dim if config.target_entropy is None else config.target_entropy,
-        iterations_per_chunk=chunk_counts(config)[0],
-        num_chunks=chunk_counts(config)[1],
-    )
+    space = env.action_space(env_params)
+    action_dim = space.shape[0]
+    target_entropy = -action_dim if config.target_entropy is None else config.target_entropy
+    return Setup(env, env_params, Actor(config.hidden_sizes, action_dim), Critic(config.hidden_sizes),
+                 env.observation_space(env_params).shape[0], action_dim, (space.high - space.low) / 2,
+                 (space.high + space.low) / 2, target_entropy)
 
 
-# ---------------------------------------------------------------------------------------------
-# networks
-# ---------------------------------------------------------------------------------------------
+# ---- networks ----
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # CleanRL's sac_continuous_action (from SpinningUp)
 
 
 class Actor(nn.Module):
     """obs -> (mean, log_std) of the Gaussian that tanh then squashes into the action bounds."""
-
     hidden_sizes: Sequence[int]
     action_dim: int
 
     @nn.compact
-    def __call__(self, obs: chex.Array) -> tuple[chex.Array, chex.Array]:
+    def __call__(self, obs: Array) -> tuple[Array, Array]:
         x = obs
         for size in self.hidden_sizes:
             x = nn.relu(nn.Dense(size)(x))
@@ -236,21 +203,19 @@ class Actor(nn.Module):
 
 class Critic(nn.Module):
     """(obs, action) -> Q. The twin critics are two parameter sets of this one module."""
-
     hidden_sizes: Sequence[int]
 
     @nn.compact
-    def __call__(self, obs: chex.Array, action: chex.Array) -> chex.Array:
+    def __call__(self, obs: Array, action: Array) -> Array:
         x = jnp.concatenate([obs, action], axis=-1)
         for size in self.hidden_sizes:
             x = nn.relu(nn.Dense(size)(x))
         return nn.Dense(1)(x).squeeze(-1)
 
 
-def init_params(module: nn.Module, key: chex.PRNGKey, *inputs: chex.Array) -> Params:
-    """PyTorch's default Linear weights U(+-1/sqrt(fan_in)) (where CleanRL's networks start) and
-    zero biases, in one random draw for the whole network: flax's initialisers draw per layer,
-    and on CPU each draw site is a random-number kernel that takes a noticeable time to compile."""
+def init_params(module: nn.Module, key: PRNGKey, *inputs: Array) -> Params:
+    """PyTorch's default weights U(+-1/sqrt(fan_in)) (as CleanRL's networks), zero biases, in one
+    draw: flax draws per layer, and on CPU every draw site is costly code to compile."""
     shapes = jax.eval_shape(module.init, jax.random.key(0), *inputs)
     flat, unflatten = jax.flatten_util.ravel_pytree(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
     uniform = unflatten(jax.random.uniform(key, flat.shape, flat.dtype, minval=-1.0, maxval=1.0))
@@ -258,53 +223,44 @@ def init_params(module: nn.Module, key: chex.PRNGKey, *inputs: chex.Array) -> Pa
         lambda path, x: x / np.sqrt(x.shape[0]) if path[-1].key == "kernel" else jnp.zeros_like(x), uniform)
 
 
-def squashed_gaussian_log_prob(
-    pre_tanh: chex.Array, mean: chex.Array, log_std: chex.Array, action_scale: chex.Array
-) -> chex.Array:
-    """log density of offset + scale * tanh(u), u ~ N(mean, exp(log_std)^2), summed over action
-    dimensions (change of variables). log(1 - tanh(u)^2) is computed as
-    2 (log 2 - u - softplus(-2u)): exact, and finite for every u where the naive form hits log 0."""
+def squashed_gaussian_log_prob(pre_tanh: Array, mean: Array, log_std: Array, action_scale: Array) -> Array:
+    """log density of offset + scale * tanh(u), u ~ N(mean, exp(log_std)^2) (change of variables),
+    with log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)): finite where the naive form is log 0."""
     gaussian = -0.5 * ((pre_tanh - mean) / jnp.exp(log_std)) ** 2 - log_std - 0.5 * jnp.log(2 * jnp.pi)
     log_abs_det = 2 * (jnp.log(2.0) - pre_tanh - jax.nn.softplus(-2 * pre_tanh)) + jnp.log(action_scale)
     return jnp.sum(gaussian - log_abs_det, axis=-1)
 
 
-def squashed_gaussian_sample(mean: chex.Array, log_std: chex.Array, noise: chex.Array, action_scale: chex.Array,
-                             action_offset: chex.Array) -> tuple[chex.Array, chex.Array]:
-    """The reparameterised sample for standard-normal `noise` and its log-prob; gradients flow
-    through mean and log_std. Callers draw the noise, so one draw serves several samples."""
+def squashed_gaussian_sample(mean: Array, log_std: Array, noise: Array, action_scale: Array,
+                             action_offset: Array) -> tuple[Array, Array]:
+    """The reparameterised sample for standard-normal `noise` (drawn by the caller), and its log-prob."""
     chex.assert_equal_shape([mean, log_std, noise])
     pre_tanh = mean + jnp.exp(log_std) * noise
-    action = action_offset + action_scale * jnp.tanh(pre_tanh)
-    return action, squashed_gaussian_log_prob(pre_tanh, mean, log_std, action_scale)
+    return action_offset + action_scale * jnp.tanh(pre_tanh), squashed_gaussian_log_prob(
+        pre_tanh, mean, log_std, action_scale)
 
 
-# ---------------------------------------------------------------------------------------------
-# replay buffer
-# ---------------------------------------------------------------------------------------------
-
+# ---- replay buffer ----
 
 @struct.dataclass
 class Transition:
-    obs: chex.Array  # [..., obs_dim]
-    action: chex.Array  # [..., action_dim]
-    reward: chex.Array  # [...]
-    next_obs: chex.Array  # [..., obs_dim]; at an episode's end the last obs, not the reset one
-    terminated: chex.Array  # [...], 1.0 where the episode terminated: no bootstrapping there
+    obs: Array  # [..., obs_dim]
+    action: Array  # [..., action_dim]
+    reward: Array  # [...]
+    next_obs: Array  # [..., obs_dim]; at an episode's end the last obs, not the reset one
+    terminated: Array  # [...], 1.0 where the episode terminated: no bootstrapping there
 
 
 @struct.dataclass
 class Buffer:
     data: Transition  # preallocated, leading axis = capacity
-    position: chex.Array  # int32, the next slot to write
-    size: chex.Array  # int32, how many slots hold data
+    position: Array  # int32, the next slot to write
+    size: Array  # int32, how many slots hold data
 
 
 def buffer_init(capacity: int, obs_dim: int, action_dim: int) -> Buffer:
-    data = Transition(obs=jnp.zeros((capacity, obs_dim)), action=jnp.zeros((capacity, action_dim)),
-                      reward=jnp.zeros(capacity), next_obs=jnp.zeros((capacity, obs_dim)),
-                      terminated=jnp.zeros(capacity))
-    return Buffer(data=data, position=jnp.int32(0), size=jnp.int32(0))
+    zeros = [jnp.zeros((capacity, *shape)) for shape in [(obs_dim,), (action_dim,), (), (obs_dim,), ()]]
+    return Buffer(Transition(*zeros), position=jnp.int32(0), size=jnp.int32(0))
 
 
 def buffer_add(buffer: Buffer, transitions: Transition) -> Buffer:
@@ -315,170 +271,133 @@ def buffer_add(buffer: Buffer, transitions: Transition) -> Buffer:
     return Buffer(data, (buffer.position + count) % capacity, jnp.minimum(buffer.size + count, capacity))
 
 
-def buffer_sample(buffer: Buffer, key: chex.PRNGKey, batch_size: int) -> Transition:
-    """A uniform batch (with replacement) from the filled slots only. Random bits modulo the size
-    are uniform up to a relative bias below size / 2^32 (2e-5 at 1e5 slots), in one draw where
-    jax.random.randint makes three, each a kernel to compile."""
+def buffer_sample(buffer: Buffer, key: PRNGKey, batch_size: int) -> Transition:
+    """A uniform batch from the filled slots only. Bits modulo the size: a bias below size / 2^32,
+    in one draw where jax.random.randint makes three, each costly code to compile on CPU."""
     slots = jax.random.bits(key, (batch_size,)) % buffer.size.astype(jnp.uint32)
     return jax.tree.map(lambda stored: stored[slots], buffer.data)
 
 
-# ---------------------------------------------------------------------------------------------
-# train state and losses
-# ---------------------------------------------------------------------------------------------
-
-Policy = Callable[[Params, chex.Array, chex.Array], tuple[chex.Array, chex.Array]]  # (obs, noise) -> a, log pi(a)
-QValues = Callable[[Params, chex.Array, chex.Array], chex.Array]  # (obs, action) -> [2, batch]
-
+# ---- train state and losses ----
 
 @struct.dataclass
-class Learner:
-    """What a gradient update changes."""
-
+class Learner:  # what a gradient update changes
     actor_params: Params
     critic_params: Params  # twin critics: every leaf has a leading axis of 2
     target_critic_params: Params
-    log_alpha: chex.Array  # the temperature, log-parameterised so that it stays positive
+    log_alpha: Array  # the temperature, log-parameterised so that it stays positive
     actor_opt_state: optax.OptState
     critic_opt_state: optax.OptState
     alpha_opt_state: optax.OptState
-    updates: chex.Array  # int32, gradient updates done
+    updates: Array  # int32, gradient updates done
 
 
 @struct.dataclass
-class TrainState:
-    """Everything that flows through the training scan (one seed)."""
-
+class TrainState:  # everything that flows through the training scan (one seed)
     learner: Learner
     buffer: Buffer
     env_state: envs.EpisodeStatsState  # [num_envs]
-    obs: chex.Array  # [num_envs, obs_dim]
-    key: chex.PRNGKey
-    env_steps: chex.Array  # int32, all envs together
+    obs: Array  # [num_envs, obs_dim]
+    key: PRNGKey
+    env_steps: Array  # int32, all envs together
 
 
 @struct.dataclass
 class Losses:
-    critic_loss: chex.Array
-    actor_loss: chex.Array
-    alpha: chex.Array
-    q_mean: chex.Array
-    entropy: chex.Array  # -E[log pi(a|s)] of the env's (scaled) actions
+    critic_loss: Array
+    actor_loss: Array
+    alpha: Array
+    q_mean: Array
+    entropy: Array  # -E[log pi(a|s)] of the env's (scaled) actions
 
 
-def td_target(batch: Transition, next_q: chex.Array, next_log_prob: chex.Array, alpha: chex.Array,
-              gamma: float) -> chex.Array:
+def td_target(batch: Transition, next_q: Array, next_log_prob: Array, alpha: Array, gamma: float) -> Array:
     """r + gamma * (1 - terminated) * (min_i Q_i'(s', a') - alpha * log pi(a'|s')), a' ~ pi(s')."""
     chex.assert_equal_shape([batch.reward, batch.terminated, next_log_prob, next_q[0]])
     return batch.reward + gamma * (1.0 - batch.terminated) * (jnp.min(next_q, axis=0) - alpha * next_log_prob)
 
 
-def critic_loss(critic_params: Params, batch: Transition, target: chex.Array,
-                q_values: QValues) -> tuple[chex.Array, chex.Array]:
-    """Sum over the twin critics of the mean squared TD error (CleanRL's qf1_loss + qf2_loss)."""
+def critic_loss(critic_params: Params, batch: Transition, target: Array, q_values: Callable) -> tuple[Array, Array]:
+    """Sum over the twin critics (q_values -> [2, batch]) of the mean squared TD error, as CleanRL."""
     q = q_values(critic_params, batch.obs, batch.action)
     chex.assert_shape(q, (2, *target.shape))
     return jnp.sum(jnp.mean((q - jax.lax.stop_gradient(target)) ** 2, axis=1)), q
 
 
-def actor_loss(actor_params: Params, critic_params: Params, obs: chex.Array, noise: chex.Array,
-               alpha: chex.Array, policy: Policy, q_values: QValues) -> tuple[chex.Array, chex.Array]:
-    """E[alpha * log pi(a|s) - min_i Q_i(s, a)], a ~ pi(s) reparameterised with `noise`."""
+def actor_loss(actor_params: Params, critic_params: Params, obs: Array, noise: Array, alpha: Array,
+               policy: Callable, q_values: Callable) -> tuple[Array, Array]:
+    """E[alpha * log pi(a|s) - min_i Q_i(s, a)], a = policy(params, s, noise) reparameterised."""
     action, log_prob = policy(actor_params, obs, noise)
     q = jnp.min(q_values(critic_params, obs, action), axis=0)
     chex.assert_equal_shape([q, log_prob])
     return jnp.mean(alpha * log_prob - q), log_prob
 
 
-def alpha_loss(log_alpha: chex.Array, log_prob: chex.Array, target_entropy: float) -> chex.Array:
+def alpha_loss(log_alpha: Array, log_prob: Array, target_entropy: float) -> Array:
     """E[-alpha * (log pi(a|s) + target_entropy)]: alpha grows while the entropy is below target."""
     return -jnp.exp(log_alpha) * jnp.mean(jax.lax.stop_gradient(log_prob) + target_entropy)
 
 
 @struct.dataclass
 class Metrics:
-    """One row per chunk and seed. Returns average the episodes completed in the chunk, losses
-    the chunk's updates; NaN where there were none."""
-
-    env_steps: chex.Array
-    updates: chex.Array
-    episode_return: chex.Array
-    episode_length: chex.Array
+    """A chunk's row per seed: means over its completed episodes and its updates (NaN if none)."""
+    env_steps: Array
+    updates: Array
+    episode_return: Array
+    episode_length: Array
     losses: Losses
-    params_finite: chex.Array  # False once any parameter is NaN or inf
+    params_finite: Array  # False once any parameter is NaN or inf
 
 
-# ---------------------------------------------------------------------------------------------
-# training
-# ---------------------------------------------------------------------------------------------
-
-
-def make_optimizer(config: Config, clip: bool) -> optax.GradientTransformation:
-    adam = optax.adam(config.learning_rate)
-    if clip and config.max_grad_norm is not None:
-        return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adam)
-    return adam
-
-
-def masked_mean(values: chex.Array, mask: chex.Array) -> chex.Array:
-    count = jnp.sum(mask)
-    return jnp.where(count > 0, jnp.sum(jnp.where(mask, values, 0)) / jnp.maximum(count, 1), jnp.nan)
-
+# ---- training ----
 
 def make_train(config: Config):
     """Static work once; returns the pure functions init(key) -> state, run_chunk(state, chunk)
     -> (state, metrics) and train(key) -> (state, metrics with a leading chunk axis)."""
-    setup = make_setup(config)
+    setup, (iterations_per_chunk, num_chunks) = make_setup(config), chunk_counts(config)
     env, env_params, actor, critic = envs.EpisodeStats(setup.env), setup.env_params, setup.actor, setup.critic
-    actor_optimizer, critic_optimizer = make_optimizer(config, clip=True), make_optimizer(config, clip=True)
-    alpha_optimizer = make_optimizer(config, clip=False)
-    num_envs, batch_size, action_dim, num_updates = config.num_envs, config.batch_size, setup.action_dim, \
-        config.updates_per_step
+    num_envs, action_dim, num_updates = config.num_envs, setup.action_dim, config.updates_per_step
+    # Three Adam states. Clipping, if asked for, is by the global norm, as the flag's name says.
+    clip = [optax.clip_by_global_norm(config.max_grad_norm)] if config.max_grad_norm is not None else []
+    actor_optimizer = critic_optimizer = optax.chain(*clip, optax.adam(config.learning_rate))
+    alpha_optimizer = optax.adam(config.learning_rate)
 
-    def policy(actor_params: Params, obs: chex.Array, noise: chex.Array) -> tuple[chex.Array, chex.Array]:
+    def policy(actor_params: Params, obs: Array, noise: Array) -> tuple[Array, Array]:
         mean, log_std = actor.apply(actor_params, obs)
         return squashed_gaussian_sample(mean, log_std, noise, setup.action_scale, setup.action_offset)
 
-    def q_values(critic_params: Params, obs: chex.Array, action: chex.Array) -> chex.Array:
+    def q_values(critic_params: Params, obs: Array, action: Array) -> Array:
         return jax.vmap(critic.apply, in_axes=(0, None, None))(critic_params, obs, action)
 
-    def update(learner: Learner, batch: Transition, noise: chex.Array) -> tuple[Learner, Losses]:
+    def update(learner: Learner, batch: Transition, noise: Array) -> tuple[Learner, Losses]:
         """One gradient step on the critics, then the actor, then alpha; Polyak-averaged targets."""
         next_noise, actor_noise = noise
         alpha = jnp.exp(learner.log_alpha)
         next_action, next_log_prob = policy(learner.actor_params, batch.next_obs, next_noise)
         next_q = q_values(learner.target_critic_params, batch.next_obs, next_action)
         target = td_target(batch, next_q, next_log_prob, alpha, config.gamma)
-
         (c_loss, q), grads = jax.value_and_grad(critic_loss, has_aux=True)(
             learner.critic_params, batch, target, q_values)
         updates, critic_opt_state = critic_optimizer.update(grads, learner.critic_opt_state, learner.critic_params)
         critic_params = optax.apply_updates(learner.critic_params, updates)
-
         (a_loss, log_prob), grads = jax.value_and_grad(actor_loss, has_aux=True)(
             learner.actor_params, critic_params, batch.obs, actor_noise, alpha, policy, q_values)
         updates, actor_opt_state = actor_optimizer.update(grads, learner.actor_opt_state, learner.actor_params)
-        actor_params = optax.apply_updates(learner.actor_params, updates)
-
         grad = jax.grad(alpha_loss)(learner.log_alpha, log_prob, setup.target_entropy)
-        updates, alpha_opt_state = alpha_optimizer.update(grad, learner.alpha_opt_state, learner.log_alpha)
-
-        learner = Learner(
-            actor_params, critic_params, optax.incremental_update(critic_params, learner.target_critic_params,
-                                                                  config.tau),
-            optax.apply_updates(learner.log_alpha, updates), actor_opt_state, critic_opt_state, alpha_opt_state,
-            learner.updates + 1)
+        alpha_updates, alpha_opt_state = alpha_optimizer.update(grad, learner.alpha_opt_state, learner.log_alpha)
+        learner = Learner(optax.apply_updates(learner.actor_params, updates), critic_params,
+                          optax.incremental_update(critic_params, learner.target_critic_params, config.tau),
+                          optax.apply_updates(learner.log_alpha, alpha_updates), actor_opt_state, critic_opt_state,
+                          alpha_opt_state, learner.updates + 1)
         return learner, Losses(c_loss, a_loss, alpha, jnp.mean(q), -jnp.mean(log_prob))
 
-    def iteration(state: TrainState, index: chex.Array) -> tuple[TrainState, tuple[Any, ...]]:
-        """Step every env, store the transitions, then num_updates updates once past the warm-up.
-        `index` counts iterations from the start of training. It comes from the scan, not from
-        the state, so it is the same for every seed and lax.cond stays a branch under vmap."""
+    def iteration(state: TrainState, index: Array) -> tuple[TrainState, tuple[Any, ...]]:
+        """Step every env, store the transitions, then num_updates updates once past the warm-up. `index`
+        (iterations so far) comes from the scan, not the state: equal across seeds, so cond stays a branch."""
         # One split for the iteration: on CPU every random-draw site is a kernel to compile.
         keys = jax.random.split(state.key, 2 + num_envs + 2 * num_updates)
         key, key_action, env_keys, update_keys = keys[0], keys[1], keys[2:2 + num_envs], keys[2 + num_envs:]
         learning = index * num_envs >= config.learning_starts
-
         noise = jax.random.normal(key_action, (num_envs, action_dim))
         policy_action, _ = policy(state.learner.actor_params, state.obs, noise)
         # Warm-up actions are uniform: erf(z / sqrt 2) of a standard normal z is uniform on (-1, 1).
@@ -490,21 +409,18 @@ def make_train(config: Config):
         buffer = buffer_add(state.buffer, Transition(state.obs, action, reward, info["final_observation"],
                                                      terminated.astype(jnp.float32)))
 
-        def learn(learner: Learner, keys: chex.PRNGKey) -> tuple[Learner, Losses]:
-            batch = buffer_sample(buffer, keys[0], batch_size)
-            return update(learner, batch, jax.random.normal(keys[1], (2, batch_size, action_dim)))
-
-        def warm_up(learner: Learner) -> tuple[Learner, Losses]:
-            return learner, Losses(*[jnp.zeros(num_updates)] * 5)
+        def learn(learner: Learner, keys: PRNGKey) -> tuple[Learner, Losses]:
+            batch = buffer_sample(buffer, keys[0], config.batch_size)
+            return update(learner, batch, jax.random.normal(keys[1], (2, config.batch_size, action_dim)))
 
         learner, losses = jax.lax.cond(
-            learning, lambda learner: jax.lax.scan(learn, learner, update_keys.reshape(num_updates, 2)), warm_up,
-            state.learner)
+            learning, lambda learner: jax.lax.scan(learn, learner, update_keys.reshape(num_updates, 2)),
+            lambda learner: (learner, Losses(*[jnp.zeros(num_updates)] * 5)), state.learner)
         state = TrainState(learner, buffer, env_state, obs, key, state.env_steps + num_envs)
         episodes = (info["returned_episode"], info["episode_return"], info["episode_length"])
         return state, (episodes, learning, jax.tree.map(jnp.mean, losses))
 
-    def init(key: chex.PRNGKey) -> TrainState:
+    def init(key: PRNGKey) -> TrainState:
         """Fresh networks, optimisers and envs, and an empty buffer."""
         key, key_actor, key_critic, key_env = jax.random.split(key, 4)
         obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key_env, num_envs), env_params)
@@ -517,44 +433,41 @@ def make_train(config: Config):
         buffer = buffer_init(config.buffer_size, setup.obs_dim, action_dim)
         return TrainState(learner, buffer, env_state, obs, key, env_steps=jnp.int32(0))
 
-    def run_chunk(state: TrainState, chunk: chex.Array) -> tuple[TrainState, Metrics]:
+    def run_chunk(state: TrainState, chunk: Array) -> tuple[TrainState, Metrics]:
         """Chunk number `chunk` (from 0): iterations_per_chunk iterations in one scan."""
-        indices = chunk * setup.iterations_per_chunk + jnp.arange(setup.iterations_per_chunk)
+        indices = chunk * iterations_per_chunk + jnp.arange(iterations_per_chunk)
         state, ((done, episode_return, episode_length), learning, losses) = jax.lax.scan(iteration, state, indices)
-        params, _ = jax.flatten_util.ravel_pytree((state.learner.actor_params, state.learner.critic_params,
-                                                   state.learner.log_alpha))
-        losses = jax.tree.map(lambda x: masked_mean(x, learning), losses)
-        return state, Metrics(state.env_steps, state.learner.updates, masked_mean(episode_return, done),
-                              masked_mean(episode_length, done), losses, jnp.all(jnp.isfinite(params)))
+        learner = state.learner
+        params, _ = jax.flatten_util.ravel_pytree((learner.actor_params, learner.critic_params, learner.log_alpha))
+        masked_mean = lambda x, mask: jnp.sum(jnp.where(mask, x, 0)) / jnp.where(mask.any(), mask.sum(), jnp.nan)  # noqa: E731
+        return state, Metrics(state.env_steps, learner.updates, masked_mean(episode_return, done),
+                              masked_mean(episode_length, done), jax.tree.map(lambda x: masked_mean(x, learning),
+                                                                              losses), jnp.all(jnp.isfinite(params)))
 
-    def train(key: chex.PRNGKey) -> tuple[TrainState, Metrics]:
-        return jax.lax.scan(run_chunk, init(key), jnp.arange(setup.num_chunks))
+    def train(key: PRNGKey) -> tuple[TrainState, Metrics]:
+        return jax.lax.scan(run_chunk, init(key), jnp.arange(num_chunks))
 
     return init, run_chunk, train
 
 
-# ---------------------------------------------------------------------------------------------
-# evaluation, checkpoint, plots, GIF
-# ---------------------------------------------------------------------------------------------
+# ---- evaluation, checkpoint, plots, GIF ----
 
 GIF_ENVS = 3  # evaluation episodes shown side by side in policy.gif
 
 
 def make_evaluate(config: Config):
-    """evaluate(actor_params, key) -> (mean return of the deterministic policy over eval_episodes,
-    env states [time, GIF_ENVS] of the first episodes). Each episode runs once from a reset, with
-    step_env (no auto-reset); rewards after a termination are masked."""
+    """evaluate(actor_params, key) -> (mean deterministic return over eval_episodes, env states
+    [time, GIF_ENVS] for the GIF). step_env (no auto-reset); rewards after a termination masked."""
     setup = make_setup(config)
     env, env_params, num_episodes = setup.env, setup.env_params, config.eval_episodes
 
-    def evaluate(actor_params: Params, key: chex.PRNGKey) -> tuple[chex.Array, envs.PendulumState]:
+    def evaluate(actor_params: Params, key: PRNGKey) -> tuple[Array, envs.PendulumState]:
         key_reset, key_steps = jax.random.split(key)
         obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key_reset, num_episodes), env_params)
 
         def step(carry, keys):
             obs, env_state, total, running = carry
-            mean, _ = setup.actor.apply(actor_params, obs)
-            action = setup.action_offset + setup.action_scale * jnp.tanh(mean)
+            action = setup.action_offset + setup.action_scale * jnp.tanh(setup.actor.apply(actor_params, obs)[0])
             obs, next_state, reward, terminated, _ = jax.vmap(env.step_env, in_axes=(0, 0, 0, None))(
                 keys, env_state, action, env_params)
             carry = (obs, next_state, total + jnp.where(running, reward, 0.0), running & ~terminated)
@@ -568,15 +481,10 @@ def make_evaluate(config: Config):
     return evaluate
 
 
-def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
-    """write(temporary path), then rename: no reader ever sees a half-written file."""
+def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:  # no reader sees a half-written file
     temporary = path.with_name(f".{path.stem}.tmp{path.suffix}")
     write(temporary)
     os.replace(temporary, path)
-
-
-def write_json(path: Path, values: dict) -> None:
-    write_atomic(path, lambda temporary: temporary.write_text(json.dumps(values, indent=2) + "\n"))
 
 
 def save_checkpoint(path: Path, config: Config, learner: Learner) -> None:
@@ -588,72 +496,43 @@ def save_checkpoint(path: Path, config: Config, learner: Learner) -> None:
 
 
 def load_checkpoint(config: Config) -> tuple[Config, Params]:
-    """(the config to evaluate with, every seed's actor parameters). The network and the seeds
-    (hence the evaluation episodes) are the checkpoint's; a checkpoint of another script or env,
-    or one trained with other --env.* settings, is a UsageError."""
+    """(the config to evaluate with, every seed's actor parameters): the checkpoint's config (its
+    env, network and seeds, so the same evaluation episodes) with this run's output options."""
     try:
         payload = flax.serialization.msgpack_restore(Path(config.load_model).read_bytes())
         script, env_id, saved = payload["script"], payload["env_id"], json.loads(payload["config"])
-        saved = Config(**{**saved, "env": EnvConfig(**saved["env"]), "hidden_sizes": tuple(saved["hidden_sizes"])})
     except Exception as error:  # whatever is wrong with the file, it is the same user error
-        raise UsageError(f"--load-model {config.load_model} is not a readable model.msgpack ({error!r})") from None
+        raise UsageError(f"--load-model {config.load_model} is not a model.msgpack ({error!r})") from None
     if (script, env_id) != (SCRIPT, ENV_ID):
-        raise UsageError(f"--load-model {config.load_model} is a {script} checkpoint for {env_id}; "
-                         f"{SCRIPT}.py evaluates {ENV_ID} policies only")
-    for name, value in dataclasses.asdict(config.env).items():
-        if getattr(saved.env, name) != value:
-            raise UsageError(f"--env.{name.replace('_', '-')} is {value} but the checkpoint was trained with "
-                             f"{getattr(saved.env, name)}")
-    config = dataclasses.replace(config, seed=saved.seed, num_seeds=saved.num_seeds, hidden_sizes=saved.hidden_sizes)
-    setup = make_setup(config)
-    template = jax.eval_shape(jax.vmap(lambda key: init_params(setup.actor, key, jnp.zeros((1, setup.obs_dim)))),
-                              jax.random.split(jax.random.key(0), config.num_seeds))
-    try:
-        actor_params = flax.serialization.from_state_dict(template, payload["params"]["actor"])
-        chex.assert_trees_all_equal_shapes(actor_params, template)
-    except (KeyError, ValueError, AssertionError) as error:
-        raise UsageError(f"--load-model {config.load_model}: the actor does not match its config ({error})") from None
-    return config, jax.tree.map(jnp.asarray, actor_params)
+        raise UsageError(f"--load-model {config.load_model} is a {script} checkpoint for {env_id}, not {ENV_ID}")
+    outputs = {name: getattr(config, name) for name in ["eval_episodes", "output_dir", "capture_gif", "load_model"]}
+    config = Config(**{**saved, **outputs, "hidden_sizes": tuple(saved["hidden_sizes"]), "env": EnvConfig(
+        **saved["env"]), "eval_only": True, "save_model": False, "plot": False})
+    return config, jax.tree.map(jnp.asarray, payload["params"]["actor"])  # flax applies plain dicts of arrays
 
 
 CSV_COLUMNS = ["seed", "env_steps", "updates", "wall_seconds", "sps", "episode_return", "episode_length",
                "critic_loss", "actor_loss", "alpha", "q_mean", "entropy"]
 
 
-def write_metrics_csv(path: Path, rows: list[dict]) -> None:
-    text = io.StringIO()
-    writer = csv.DictWriter(text, CSV_COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
-    write_atomic(path, lambda temporary: temporary.write_text(text.getvalue()))
-
-
 def plot_curves(path: Path, rows: list[dict], num_seeds: int) -> None:
     """Return against env steps (mean and min-max band over seeds), and the losses."""
-    import matplotlib  # here, not at the top: it takes half a second to import
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = np.array([row["env_steps"] for row in rows[::num_seeds]])
-    figure, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
-    for axis, column in zip(axes.flat, ["episode_return", *CSV_COLUMNS[-5:]], strict=True):
-        values = np.array([row[column] for row in rows], float).reshape(-1, num_seeds)
+    from matplotlib.figure import Figure  # here, not at the top: it takes half a second to import
+    figure = Figure(figsize=(13, 6.5), layout="constrained")
+    for axis, column in zip(figure.subplots(2, 3).flat, ["episode_return", *CSV_COLUMNS[-5:]], strict=True):
+        steps, values = (np.array([row[name] for row in rows], float).reshape(-1, num_seeds)
+                         for name in ["env_steps", column])
         finite = np.isfinite(values).all(axis=1)  # chunks without episodes or updates are NaN
-        axis.plot(steps[finite], values[finite].mean(axis=1))
-        if num_seeds > 1:
-            axis.fill_between(steps[finite], values[finite].min(axis=1), values[finite].max(axis=1), alpha=0.25)
+        axis.plot(steps[finite, 0], values[finite].mean(axis=1))
+        axis.fill_between(steps[finite, 0], values[finite].min(axis=1), values[finite].max(axis=1), alpha=0.25)
         axis.set(title=column, xlabel="env steps")
-        axis.grid(alpha=0.3)
     figure.suptitle(f"{SCRIPT} on {ENV_ID}, {num_seeds} seed(s)")
     write_atomic(path, lambda temporary: figure.savefig(temporary, dpi=80))
-    plt.close(figure)
 
 
 def write_gif(path: Path, config: Config, env_states: envs.PendulumState) -> None:
     """Episodes side by side (env_states [time, GIF_ENVS]), drawn by the env's renderer."""
     from PIL import Image  # pillow comes with matplotlib
-
     setup = make_setup(config)
     render = jax.jit(jax.vmap(jax.vmap(lambda state: setup.env.render(state, setup.env_params, 128, 128))))
     frames = np.concatenate(np.asarray(render(env_states)).transpose(1, 0, 2, 3, 4), axis=2)  # [time, h, w * envs, 3]
@@ -662,101 +541,75 @@ def write_gif(path: Path, config: Config, env_states: envs.PendulumState) -> Non
                                                         duration=round(1000 * config.env.dt), loop=0))
 
 
-# ---------------------------------------------------------------------------------------------
-# main
-# ---------------------------------------------------------------------------------------------
+# ---- main ----
 
-
-def seed_keys(config: Config) -> chex.PRNGKey:
-    """One key per seed: seed i of a vmapped run is the run of --seed (seed + i) alone."""
+def seed_keys(config: Config) -> PRNGKey:  # seed i of a vmapped run is the run of --seed (seed + i)
     return jax.vmap(jax.random.key)(config.seed + jnp.arange(config.num_seeds))
 
 
-def evaluate_seeds(config: Config, actor_params: Params, sharding: NamedSharding) -> tuple[list[float], Any]:
-    """Every seed's mean deterministic return, and the first seed's episodes for the GIF."""
-    eval_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(seed_keys(config))  # apart from training's
-    evaluate = jax.jit(jax.vmap(make_evaluate(config)), in_shardings=sharding)
-    returns, states = jax.device_get(evaluate(actor_params, jax.device_put(eval_keys, sharding)))
-    return [float(r) for r in returns], jax.tree.map(lambda x: x[0], states)
-
-
 def train_and_log(config: Config, sharding: NamedSharding, out: Path) -> tuple[TrainState, list[dict], dict]:
-    """The CLI's loop: the compiled chunk function from Python, one progress line per chunk."""
-    setup = make_setup(config)
-    init, run_chunk, _ = make_train(config)
+    """The CLI's loop: the compiled chunk function called from Python, a progress line per chunk."""
+    (init, run_chunk, _), (iterations_per_chunk, num_chunks) = make_train(config), chunk_counts(config)
     keys = jax.device_put(seed_keys(config), sharding)
     state_shape = jax.eval_shape(jax.vmap(init), keys)
     buffer_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state_shape.buffer)) / 2**20
-    devices = sharding.mesh.devices.flat
-    print(f"{SCRIPT}: {ENV_ID}, {config.num_seeds} seed(s) x {config.num_envs} envs on {len(devices)} device(s) "
-          f"{[str(d) for d in devices]}, replay buffer {buffer_mb / config.num_seeds:.1f} MB per seed", flush=True)
-
+    print(f"{SCRIPT}: {ENV_ID}, {config.num_seeds} seed(s) x {config.num_envs} envs on {sharding.mesh.size} device(s) "
+          f"{sharding.mesh.devices.tolist()}, replay buffer {buffer_mb / config.num_seeds:.1f} MB per seed", flush=True)
     start = time.perf_counter()
-    replicated = NamedSharding(sharding.mesh, PartitionSpec())
-    init_compiled = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding).lower(keys).compile()
+    init = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding).lower(keys).compile()
     # The state is donated: the chunk updates the buffer in place instead of copying it.
-    chunk_compiled = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)), in_shardings=(sharding, replicated),
-                             out_shardings=sharding, donate_argnums=0).lower(state_shape, jnp.int32(0)).compile()
+    run_chunk = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)), donate_argnums=0, out_shardings=sharding,
+                        in_shardings=(sharding, NamedSharding(sharding.mesh, PartitionSpec())))
+    run_chunk = run_chunk.lower(state_shape, jnp.int32(0)).compile()
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
 
-    stop = threading.Event()
-
-    def on_interrupt(signum, frame):
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        print("\nCtrl-C: stopping after this chunk (again to abort)", flush=True)
-
-    previous_handler = signal.signal(signal.SIGINT, on_interrupt)
-    state, rows, previous_updates = init_compiled(keys), [], 0
+    stop = threading.Event()  # set by Ctrl-C: the loop ends after the chunk in progress
+    previous_handler = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    state, rows, done_updates, chunk_steps = init(keys), [], 0, iterations_per_chunk * config.num_envs
     start = last = time.perf_counter()
-    total_steps = setup.num_chunks * setup.iterations_per_chunk * config.num_envs
-    for chunk in range(setup.num_chunks):
-        state, metrics = chunk_compiled(state, jnp.int32(chunk))
+    for chunk in range(num_chunks):
+        state, metrics = run_chunk(state, jnp.int32(chunk))
         metrics = jax.device_get(metrics)  # waits for the chunk; a few numbers per seed
         now = time.perf_counter()
         elapsed, seconds, last = now - start, now - last, now
-        steps, updates = int(metrics.env_steps[0]), int(metrics.updates[0])
-        sps = setup.iterations_per_chunk * config.num_envs / seconds
-        losses = flax.serialization.to_state_dict(metrics.losses)
+        steps, updates, losses = int(metrics.env_steps[0]), int(metrics.updates[0]), metrics.losses.__dict__
         rows += [{"seed": config.seed + i, "env_steps": steps, "updates": updates, "wall_seconds": round(elapsed, 3),
-                  "sps": round(sps, 1), "episode_return": float(metrics.episode_return[i]),
+                  "sps": round(chunk_steps / seconds, 1), "episode_return": float(metrics.episode_return[i]),
                   "episode_length": float(metrics.episode_length[i]),
                   **{name: float(values[i]) for name, values in losses.items()}} for i in range(config.num_seeds)]
-        write_metrics_csv(out / "metrics.csv", rows)
-        returns = metrics.episode_return
-        shown = "-" if np.isnan(returns).any() else f"{returns.mean():.1f}"
-        if config.num_seeds > 1 and shown != "-":
-            shown += f" ± {returns.std():.1f}"
-        print(f"steps {steps:,}/{total_steps:,} ({steps / total_steps:.0%}) | SPS {sps:,.0f} | updates/s "
-              f"{(updates - previous_updates) / seconds:,.0f} | return {shown} | critic "
-              f"{losses['critic_loss'].mean():.3f} actor {losses['actor_loss'].mean():.3f} alpha "
-              f"{losses['alpha'].mean():.3f} | {elapsed:.1f} s, "
-              f"ETA {elapsed / (chunk + 1) * (setup.num_chunks - chunk - 1):.1f} s", flush=True)
+        table = "\n".join([",".join(CSV_COLUMNS)] + [",".join(str(row[c]) for c in CSV_COLUMNS) for row in rows])
+        write_atomic(out / "metrics.csv", lambda temporary: temporary.write_text(table + "\n"))  # noqa: B023 (called now)
+        returns = metrics.episode_return  # "-" for a chunk in which no episode ended
+        shown = "-" if np.isnan(returns).any() else f"{returns.mean():.1f}" + f" ± {returns.std():.1f}" * (
+            config.num_seeds > 1)
+        print(f"steps {steps:,}/{num_chunks * chunk_steps:,} ({(chunk + 1) / num_chunks:.0%}) | SPS "
+              f"{chunk_steps / seconds:,.0f} | updates/s {(updates - done_updates) / seconds:,.0f} | return {shown} | "
+              f"critic {losses['critic_loss'].mean():.3f} actor {losses['actor_loss'].mean():.3f} alpha "
+              f"{losses['alpha'].mean():.3f} | {elapsed:.1f} s, ETA {elapsed * (num_chunks / (chunk + 1) - 1):.1f} s",
+              flush=True)
         faults = [(i, name) for name, values in losses.items() for i in range(config.num_seeds)
-                  if updates > previous_updates and not np.isfinite(values[i])]
+                  if updates > done_updates and not np.isfinite(values[i])]
         faults += [(i, "parameter") for i in range(config.num_seeds) if not metrics.params_finite[i]]
         if faults:
             print(f"{SCRIPT}: non-finite {faults[0][1]} in chunk {chunk + 1}, seed {config.seed + faults[0][0]}; "
                   f"stopped (the files in {out} hold the chunks so far)", file=sys.stderr)
             sys.exit(1)
-        previous_updates = updates
+        done_updates = updates
         if stop.is_set():
+            print("Ctrl-C: stopping after this chunk", flush=True)
             break
     signal.signal(signal.SIGINT, previous_handler)
-    train_seconds = time.perf_counter() - start
-    steps, updates = int(state.env_steps[0]), int(state.learner.updates[0])
-    timing = {"train_seconds": train_seconds, "compile_seconds": compile_seconds,
-              "env_steps_per_second": steps / train_seconds, "updates_per_second": updates / train_seconds,
-              "env_steps": steps, "updates": updates}
-    return state, rows, timing
+    seconds, steps = time.perf_counter() - start, int(state.env_steps[0])
+    return state, rows, {"train_seconds": seconds, "compile_seconds": compile_seconds, "env_steps": steps,
+                         "updates": done_updates, "env_steps_per_second": steps / seconds,
+                         "updates_per_second": done_updates / seconds}
 
 
 def main(config: Config) -> None:
     try:
         validate(config)
-        config, loaded_params = load_checkpoint(config) if config.eval_only else (config, None)
+        config, actor_params = load_checkpoint(config) if config.eval_only else (config, None)
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -764,28 +617,31 @@ def main(config: Config) -> None:
     sharding = NamedSharding(Mesh(np.array(devices), ("seeds",)), PartitionSpec("seeds"))  # seeds over devices
     out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", dataclasses.asdict(config))
-
+    write_json = lambda name, values: write_atomic(  # noqa: E731
+        out / name, lambda temporary: temporary.write_text(json.dumps(values, indent=2) + "\n"))
+    write_json("config.json", dataclasses.asdict(config))
     if config.eval_only:
         summary = {"eval_only": True, "load_model": config.load_model}
-        actor_params = jax.device_put(loaded_params, sharding)
     else:
         state, rows, summary = train_and_log(config, sharding, out)
         actor_params = state.learner.actor_params
-    returns, episodes = evaluate_seeds(config, actor_params, sharding)
+
+    eval_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(seed_keys(config))  # apart from training's
+    evaluate = jax.jit(jax.vmap(make_evaluate(config)), in_shardings=sharding)
+    returns, episodes = jax.device_get(evaluate(actor_params, jax.device_put(eval_keys, sharding)))
     print(f"evaluation, {config.eval_episodes} deterministic episodes per seed: mean return "
           + ", ".join(f"{r:.1f}" for r in returns), flush=True)
-    write_json(out / "summary.json", {
-        "final_returns": returns, "final_return_mean": float(np.mean(returns)),
-        "final_return_std": float(np.std(returns)), **summary, "num_seeds": config.num_seeds,
+    write_json("summary.json", {
+        "final_returns": returns.tolist(), "final_return_mean": float(returns.mean()),
+        "final_return_std": float(returns.std()), **summary, "num_seeds": config.num_seeds,
         "num_envs": config.num_envs, "eval_episodes": config.eval_episodes,
         "device": f"{len(devices)} x {devices[0].device_kind}"})
-    if config.save_model and not config.eval_only:
+    if config.save_model:
         save_checkpoint(out / "model.msgpack", config, state.learner)
-    if config.plot and not config.eval_only:
+    if config.plot:
         plot_curves(out / "curves.png", rows, config.num_seeds)
     if config.capture_gif:
-        write_gif(out / "policy.gif", config, episodes)
+        write_gif(out / "policy.gif", config, jax.tree.map(lambda x: x[0], episodes))  # the first seed's
     print(f"outputs in {out}")
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import chex
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -269,22 +270,28 @@ def test_same_seed_gives_identical_metrics(finished_run, tmp_path):
 
 
 def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path):
+    """The checkpoint brings its env (a 20-step limit here), network and seeds; no flags needed."""
     out, _ = finished_run
     result = run("--eval-only", "--load-model", str(out / "model.msgpack"), "--eval-episodes", "4",
-                 "--env.max-steps-in-episode", "20", "--output-dir", str(tmp_path), "--no-capture-gif")
+                 "--output-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     saved = json.loads((out / "summary.json").read_text())["final_returns"]
     assert json.loads((tmp_path / "summary.json").read_text())["final_returns"] == saved
+    assert (tmp_path / "policy.gif").stat().st_size > 0 and not (tmp_path / "model.msgpack").exists()
 
 
 def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
     out, _ = finished_run
-    other_env = run("--eval-only", "--load-model", str(out / "model.msgpack"))  # trained with a 20-step limit
-    assert other_env.returncode == 2 and "--env.max-steps-in-episode" in other_env.stderr
-    foreign = tmp_path / "model.msgpack"
-    foreign.write_bytes(b"\x80")  # an empty msgpack map: not one of our checkpoints
-    result = run("--eval-only", "--load-model", str(foreign))
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    payload = flax.serialization.msgpack_restore((out / "model.msgpack").read_bytes())
+    other = tmp_path / "other.msgpack"
+    other.write_bytes(flax.serialization.msgpack_serialize({**payload, "script": "sac_cartpole",
+                                                             "env_id": "CartPoleContinuous"}))
+    garbage = tmp_path / "garbage.msgpack"
+    garbage.write_bytes(b"\x80")  # an empty msgpack map
+    for path, expected in [(other, "sac_cartpole checkpoint for CartPoleContinuous"), (garbage, "not a model")]:
+        result = run("--eval-only", "--load-model", str(path))
+        assert result.returncode == 2 and expected in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_two_devices_shard_the_seeds(finished_run, tmp_path):
