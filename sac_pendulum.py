@@ -160,8 +160,8 @@ def parse_config(args: Sequence[str] | None = None) -> Config:
         with contextlib.redirect_stderr(captured):
             return tyro.cli(Config, args=args, description=__doc__.splitlines()[0])
     except SystemExit as exit_:
-        lines = [text for line in captured.getvalue().splitlines() if (text := line.strip("│╭╮╰╯─ "))]
-        if exit_.code:  # not --help; the box's title, then its message
+        lines = [text for line in captured.getvalue().splitlines() if (text := line.strip("│╭╮╰╯─ ")).strip("-")]
+        if exit_.code:  # not --help; the box's title (UTF-8 or ASCII rules dropped), then its message
             print(f"{SCRIPT}.py: error: {(lines + ['', 'bad arguments'])[1]} (see --help)", file=sys.stderr)
         raise
 

@@ -217,21 +217,33 @@ def test_help_lists_every_option():
         assert flag in result.stdout
 
 
-@pytest.mark.parametrize("flags, names", [
+@pytest.mark.parametrize("flags, name", [
     (["--gamma", "1.5"], "--gamma"),
     (["--batch-size", "512", "--buffer-size", "256"], "--batch-size"),
     (["--total-timesteps", "10"], "--total-timesteps"),
+    (["--learning-starts", "40000"], "--learning-starts"),
+    (["--env.dt", "0"], "--env.dt"),
     (["--eval-only"], "--load-model"),
     (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
     (["--no-such-flag", "3"], "--no-such-flag"),
     (["--num-envs", "many"], "--num-envs"),
     (["--env.no-such-option", "1"], "--env.no-such-option"),
 ])
-def test_bad_flags_exit_2_with_one_line(flags, names):
-    result = run(*flags)
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert names in result.stderr and "Traceback" not in result.stderr
+def test_bad_flags_exit_2_with_one_line(flags, name, capsys, monkeypatch):
+    """In process (parse_config and main, which validates before compiling anything)."""
+    monkeypatch.setattr(sac.jax, "jit", None)  # nothing may be compiled on the way to the error
+    with pytest.raises(SystemExit) as exit_:
+        sac.main(sac.parse_config(flags))
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err
+    assert len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
+
+
+def test_bad_flags_from_the_command_line():
+    for flags, name in [(["--tau", "2"], "--tau"), (["--no-such-flag"], "--no-such-flag")]:
+        result = run(*flags)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert name in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.fixture(scope="module")
