@@ -1,13 +1,10 @@
 """SAC on continuous CartPole, balance and swing-up, fully on device. Docs: docs/sac.md
 
-The sibling of sac_pendulum.py (soft actor-critic with twin critics and a learned temperature,
-Haarnoja et al. 2018): the same replay buffer, losses and compiled chunk loop, on
-envs.CartPoleContinuous (balance: the episode ends when the pole falls past 12 degrees or the
-cart leaves the track) or envs.CartPoleSwingup (the pole starts hanging down). A termination
-stops bootstrapping; the 500-step time limit does not.
+sac_pendulum.py's soft actor-critic (the same buffer, losses and compiled chunk loop) on
+envs.CartPoleContinuous (balance) or envs.CartPoleSwingup (swing the pole up from hanging down).
+Terminations (the pole past 12 degrees, the cart off the track) stop bootstrapping; the time limit does not.
 
-    python sac_cartpole.py                           # balance, writes runs/sac_cartpole__1__<time>/
-    python sac_cartpole.py --num-envs 1024           # 1024 envs per seed
+    python sac_cartpole.py --num-envs 1024           # balance; writes runs/sac_cartpole__1__<time>/
     python sac_cartpole.py --env-id CartPoleSwingup  # swing-up, with its own defaults (see --help)
     python sac_cartpole.py --eval-only --load-model runs/<run>/model.msgpack
 """
@@ -184,8 +181,8 @@ def parse_config(args: Sequence[str] | None = None) -> Config:
         with contextlib.redirect_stderr(captured):
             return tyro.cli(Config, args=args, default=default, description=__doc__.splitlines()[0])
     except SystemExit as exit_:
-        lines = [text for line in captured.getvalue().splitlines() if (text := line.strip("│╭╮╰╯─ "))]
-        if exit_.code:  # not --help; the box's title, then its message
+        lines = [text for line in captured.getvalue().splitlines() if (text := line.strip("│╭╮╰╯─ ")).strip("-")]
+        if exit_.code:  # not --help; the box's title (UTF-8 or ASCII rules dropped), then its message
             print(f"{SCRIPT}.py: error: {(lines + ['', 'bad arguments'])[1]} (see --help)", file=sys.stderr)
         raise
 
@@ -481,21 +478,15 @@ GIF_STRIDE = 2  # every second step: 25 frames per second of simulated time
 UPRIGHT_RADIANS = math.radians(12)  # "upright": |theta| below the angle at which balance fails
 
 
-@struct.dataclass
-class Evaluation:
-    mean_return: Array  # deterministic return, mean over eval_episodes
-    upright_fraction: Array  # of episodes upright (|theta| < 12 degrees) at every step of their second half
-    states: envs.CartPoleState  # [time, GIF_ENVS], for the GIF
-
-
 def make_evaluate(config: Config):
-    """evaluate(actor_params, key) -> Evaluation. step_env (no auto-reset); after a termination
-    an episode's rewards are masked and its state frozen (the GIF shows where it ended)."""
+    """evaluate(actor_params, key) -> (mean deterministic return over eval_episodes, the fraction of
+    episodes upright at every step of their second half, env states [time, GIF_ENVS] for the GIF).
+    step_env (no auto-reset); after a termination, rewards are masked and the state is frozen."""
     setup = make_setup(config)
     env, env_params, num_episodes = setup.env, setup.env_params, config.eval_episodes
     num_steps = config.env.max_steps_in_episode
 
-    def evaluate(actor_params: Params, key: PRNGKey) -> Evaluation:
+    def evaluate(actor_params: Params, key: PRNGKey) -> tuple[Array, Array, envs.CartPoleState]:
         key_reset, key_steps = jax.random.split(key)
         obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key_reset, num_episodes), env_params)
 
@@ -515,7 +506,7 @@ def make_evaluate(config: Config):
         carry = (obs, env_state, jnp.zeros(num_episodes), jnp.ones(num_episodes, bool), jnp.ones(num_episodes, bool))
         inputs = (jax.random.split(key_steps, (num_steps, num_episodes)), jnp.arange(num_steps) >= num_steps // 2)
         (_, _, total, _, upright), states = jax.lax.scan(step, carry, inputs)
-        return Evaluation(jnp.mean(total), jnp.mean(upright), states)
+        return jnp.mean(total), jnp.mean(upright), states
 
     return evaluate
 
@@ -670,8 +661,7 @@ def main(config: Config) -> None:
 
     eval_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(seed_keys(config))  # apart from training's
     evaluate = jax.jit(jax.vmap(make_evaluate(config)), in_shardings=sharding)
-    evaluation = jax.device_get(evaluate(actor_params, jax.device_put(eval_keys, sharding)))
-    returns, upright = evaluation.mean_return, evaluation.upright_fraction
+    returns, upright, episodes = jax.device_get(evaluate(actor_params, jax.device_put(eval_keys, sharding)))
     print(f"evaluation, {config.eval_episodes} deterministic episodes per seed: mean return "
           + ", ".join(f"{r:.1f}" for r in returns) + ", upright through the second half "
           + ", ".join(f"{u:.0%}" for u in upright), flush=True)
@@ -685,7 +675,7 @@ def main(config: Config) -> None:
     if config.plot:
         plot_curves(out / "curves.png", rows, config.num_seeds, config.env_id)
     if config.capture_gif:
-        write_gif(out / "policy.gif", config, jax.tree.map(lambda x: x[0], evaluation.states))  # the first seed's
+        write_gif(out / "policy.gif", config, jax.tree.map(lambda x: x[0], episodes))  # the first seed's
     print(f"outputs in {out}")
 
 
