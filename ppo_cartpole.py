@@ -246,7 +246,6 @@ class Transition:  # one rollout step of every env; [num_steps, num_envs, ...] a
     terminated: chex.Array
     truncated: chex.Array
     final_obs: chex.Array  # the observation the step reached, before any auto-reset
-    episode_done: chex.Array
     episode_return: chex.Array  # of the episode that ended at this step, 0 elsewhere
     episode_length: chex.Array
 
@@ -348,11 +347,10 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
                                                                 env_params)
         return TrainState(params, optimizer.init(params), env_state, obs, key)
 
-    def rollout(state: TrainState, key_actions: chex.PRNGKey, key_envs: chex.PRNGKey):
-        # All the rollout's randomness in two draws before the scan: Gumbel noise to sample the
-        # actions (argmax(logits + Gumbel) ~ softmax(logits)) and one key per env step.
+    def rollout(state: TrainState, key_actions: chex.PRNGKey, env_keys: chex.PRNGKey):
+        # The actions' randomness in one draw before the scan: Gumbel noise, as
+        # argmax(logits + Gumbel) is a sample of softmax(logits). env_keys: [num_steps, num_envs].
         gumbel = jax.random.gumbel(key_actions, (config.num_steps, config.num_envs, env.num_actions))
-        env_keys = jax.random.split(key_envs, (config.num_steps, config.num_envs))
 
         def env_step(carry, noise_and_keys):
             env_state, obs = carry
@@ -362,7 +360,7 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
             next_obs, env_state, reward, terminated, truncated, info = step_envs(keys, env_state, action, env_params)
             transition = Transition(
                 obs, action, categorical_log_prob(logits, action), reward, terminated, truncated,
-                info["final_observation"], info["returned_episode"], info["episode_return"], info["episode_length"])
+                info["final_observation"], info["episode_return"], info["episode_length"])
             return (env_state, next_obs), transition
 
         (env_state, obs), transitions = jax.lax.scan(env_step, (state.env_state, state.obs), (gumbel, env_keys))
@@ -392,10 +390,11 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
         return jax.lax.scan(update_minibatch, carry, jax.tree.map(lambda x: x[indices], batch))
 
     def run_iteration(state: TrainState, _) -> tuple[TrainState, dict]:
-        # One rollout, GAE, then update_epochs x num_minibatches steps. One key split per
-        # iteration: on CPU every random-draw site is costly code to compile.
-        key, key_actions, key_envs, key_minibatches = jax.random.split(state.key, 4)
-        state, transitions = rollout(state, key_actions, key_envs)
+        # One rollout, GAE, then update_epochs x num_minibatches steps. All keys from one split:
+        # on CPU every random-draw site is costly code to compile.
+        keys = jax.random.split(state.key, 3 + config.num_steps * config.num_envs)
+        key, key_actions, key_minibatches = keys[:3]
+        state, transitions = rollout(state, key_actions, keys[3:].reshape(config.num_steps, config.num_envs))
         chex.assert_shape(transitions.reward, (config.num_steps, config.num_envs))
         values = critic.apply(state.params["critic"], transitions.obs)[..., 0]
         next_values = critic.apply(state.params["critic"], transitions.final_obs)[..., 0]
@@ -406,7 +405,7 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
         indices = minibatch_indices(key_minibatches, config.update_epochs, size.batch_size, config.num_minibatches)
         (params, opt_state), losses = jax.lax.scan(partial(update_epoch, batch), (state.params, state.opt_state),
                                                    indices)
-        done = transitions.episode_done
+        done = transitions.terminated | transitions.truncated
         stats = {name: loss.mean() for name, loss in losses.items()}
         stats |= dict(episodes=done.sum(), return_sum=jnp.where(done, transitions.episode_return, 0.0).sum(),
                       length_sum=jnp.where(done, transitions.episode_length, 0).sum())
