@@ -2,6 +2,10 @@
 
     python benchmark.py envs                       # env steps/s of every env, 1 .. 65536 envs
     python benchmark.py envs --quick --num-envs 1 4096
+    python benchmark.py train                      # each script's env steps/s and updates/s across num-envs
+    python benchmark.py seeds                      # wall time of 1, 4, 16, 64 vmapped seeds per script
+    python benchmark.py solve                      # each script's default run: seconds to the solved bar
+    python benchmark.py all --quick                # all four, short (~10 minutes on 2 CPU cores)
 
 `envs` steps every env of envs.py with random actions drawn on device and auto-reset on, as a
 jitted `lax.scan` over a batch of `num_envs` envs. When gymnax (CartPole-v1, Pendulum-v1) or
@@ -16,11 +20,14 @@ Each subcommand is one entry of SUBCOMMANDS: a function that adds its arguments 
 """
 
 import argparse
+import dataclasses
 import datetime
+import importlib
 import importlib.metadata
 import importlib.util
 import json
 import os
+import shlex
 import statistics
 import time
 from collections.abc import Callable
@@ -352,14 +359,384 @@ def run_envs(args: argparse.Namespace) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# training throughput, seed scaling and time to solve: the scripts' own make_train and CLI
+# ---------------------------------------------------------------------------------------------
+
+SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
+# The bar a default run must reach: Pendulum's customary -200, gymnasium's 475 for CartPole-v1,
+# the full 500 steps of continuous CartPole balance. ppo_snake has none: its greedy score is reported.
+SOLVED_BARS = {"sac_pendulum": -200.0, "ppo_cartpole": 475.0, "sac_cartpole": 500.0}
+SCRIPT_FLAGS = ["--no-capture-gif", "--no-plot", "--no-save-model"]
+
+
+@dataclass(frozen=True)
+class ChunkRunner:
+    """A script's jitted, vmapped run_chunk with its first state, as the script's CLI calls it
+    (state donated). `run(state, chunk)` -> (state, metrics); `steps` env steps and `updates`
+    gradient updates per call and seed; `warmup_chunks` calls before the SAC warm-up is over."""
+
+    run: Callable[[Any, int], tuple[Any, Any]]
+    state: Any
+    steps: int
+    updates: int
+    warmup_chunks: int
+    compile_seconds: float
+
+
+def chunk_runner(script: str, num_envs: int, iterations: int, num_seeds: int) -> ChunkRunner:
+    """Build `script`'s make_train on its default config with `num_envs` envs per seed and
+    `iterations` env-vector steps (SAC) or rollout-and-update iterations (PPO) per chunk."""
+    module = importlib.import_module(script)
+    config = module.Config()
+    sac = hasattr(module, "chunk_counts")  # SAC: run_chunk(state, chunk index); PPO: run_chunk(state)
+    per_iteration = num_envs if sac else num_envs * config.num_steps
+    steps = per_iteration * iterations
+    warmup_chunks = -(-config.learning_starts // steps) + 1 if sac else 1  # the SAC warm-up, then one more
+    overrides = dict(
+        num_envs=num_envs, num_seeds=num_seeds, log_every=steps, total_timesteps=steps * (warmup_chunks + 1)
+    )
+    if sac:
+        overrides["buffer_size"] = max(config.buffer_size, num_envs)
+    config = dataclasses.replace(config, **overrides)
+    module.validate(config)  # a size the script itself would refuse is a usage error here too
+    updates = iterations * (config.updates_per_step if sac else config.update_epochs * config.num_minibatches)
+    init, run_chunk, _ = module.make_train(config)
+    keys = jax.vmap(jax.random.key)(jnp.arange(num_seeds))
+    state = jax.block_until_ready(jax.jit(jax.vmap(init))(keys))
+    start = time.perf_counter()
+    if sac:
+        compiled = (
+            jax.jit(jax.vmap(run_chunk, in_axes=(0, None)), donate_argnums=0).lower(state, jnp.int32(0)).compile()
+        )
+        run = lambda state, chunk: compiled(state, jnp.int32(chunk))  # noqa: E731
+    else:
+        compiled = jax.jit(jax.vmap(run_chunk), donate_argnums=0).lower(state).compile()
+        run = lambda state, chunk: compiled(state)  # noqa: E731
+    return ChunkRunner(run, state, steps, updates, warmup_chunks, time.perf_counter() - start)
+
+
+def time_chunks(runner: ChunkRunner, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` chunks after the warm-up chunks. The state a chunk returns is
+    the next chunk's input and its metrics are fetched, so XLA can drop none of the work."""
+    state, seconds = runner.state, []
+    for chunk in range(runner.warmup_chunks + repeats):
+        start = time.perf_counter()
+        state, metrics = runner.run(state, chunk)
+        jax.block_until_ready((state, jax.device_get(metrics)))
+        if chunk >= runner.warmup_chunks:
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def train_sizes(script: str, quick: bool, gpu: bool) -> list[int]:
+    if script.startswith("sac"):
+        return [16, 64, 256, 1024, 4096] if gpu else [16, 256] if quick else [16, 64, 256, 1024]
+    if gpu:
+        return [4, 64, 1024, 16384, 65536]
+    return [4, 64] if quick else [4, 16, 64, 256, 1024]
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="which scripts (default: all)")
+    parser.add_argument(
+        "--num-envs",
+        type=int,
+        nargs="+",
+        help="envs per seed to measure (default: per script and device, SAC 16 .. 4096 and PPO 4 .. 65536 on a GPU)",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="iterations per timed chunk (default 64, 16 with --quick; PPO: 8, 2 with --quick)",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed chunks per measurement; the median is reported")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter chunks, 3 repeats")
+
+
+def iterations_for(script: str, args: argparse.Namespace) -> int:
+    if args.iterations is not None:
+        return args.iterations
+    if script.startswith("sac"):
+        return 16 if args.quick else 64
+    return 2 if args.quick else 8
+
+
+def repeats_for(args: argparse.Namespace) -> int:
+    return min(args.repeats, 3) if args.quick else args.repeats
+
+
+def run_train(args: argparse.Namespace) -> list[dict]:
+    repeats, gpu = repeats_for(args), jax.devices()[0].platform != "cpu"
+    print(f"training throughput on {device_label()}, jax {jax.__version__}, median of {repeats} chunks, 1 seed")
+    rows = []
+    for script in args.scripts:
+        iterations = iterations_for(script, args)
+        for num_envs in args.num_envs or train_sizes(script, args.quick, gpu):
+            runner = chunk_runner(script, num_envs, iterations, num_seeds=1)
+            seconds = time_chunks(runner, repeats)
+            median = statistics.median(seconds)
+            row = dict(
+                benchmark="train_throughput",
+                library=script,
+                env=script,
+                num_envs=num_envs,
+                steps_per_second=round(runner.steps / median),
+                updates_per_second=round(runner.updates / median),
+                steps_per_second_runs=[round(runner.steps / run) for run in seconds],
+                compile_seconds=round(runner.compile_seconds, 3),
+                chunk_steps=runner.steps,
+                chunk_updates=runner.updates,
+                num_seeds=1,
+                repeats=repeats,
+            )
+            print(
+                f"  {script:<13}{num_envs:>7} envs: {row['steps_per_second']:>12,} env steps/s "
+                f"{row['updates_per_second']:>9,} updates/s (compile {runner.compile_seconds:.1f} s)",
+                flush=True,
+            )
+            rows.append(row)
+    plot_script_rows(
+        rows,
+        "num_envs",
+        "steps_per_second",
+        "envs per seed",
+        "env steps per second (1 seed)",
+        "training throughput",
+        args,
+        "benchmark_train.png",
+    )
+    return stamp(rows)
+
+
+def add_seeds_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="which scripts (default: all)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="vmapped seed counts (default 1 4 16 64; --quick 1 4 16)")
+    parser.add_argument("--iterations", type=int, default=None, help="iterations per timed chunk (default as train)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed chunks per measurement; the median is reported")
+    parser.add_argument("--quick", action="store_true", help="fewer seed counts, shorter chunks, 3 repeats")
+
+
+def run_seeds(args: argparse.Namespace) -> list[dict]:
+    repeats, seed_counts = repeats_for(args), args.seeds or ([1, 4, 16] if args.quick else [1, 4, 16, 64])
+    print(f"seed scaling on {device_label()}, jax {jax.__version__}, median of {repeats} chunks, default num_envs")
+    rows = []
+    for script in args.scripts:
+        iterations, one_seed = iterations_for(script, args), None
+        for num_seeds in seed_counts:
+            num_envs = importlib.import_module(script).Config().num_envs  # the script's default, per seed
+            runner = chunk_runner(script, num_envs, iterations, num_seeds)
+            median = statistics.median(time_chunks(runner, repeats))
+            one_seed = one_seed or (median if num_seeds == 1 else None)
+            row = dict(
+                benchmark="seed_scaling",
+                library=script,
+                env=script,
+                num_envs=num_envs,
+                num_seeds=num_seeds,
+                chunk_seconds=round(median, 5),
+                ratio_to_one_seed=round(median / one_seed, 3) if one_seed else None,
+                steps_per_second=round(runner.steps * num_seeds / median),
+                compile_seconds=round(runner.compile_seconds, 3),
+                chunk_steps=runner.steps,
+                repeats=repeats,
+            )
+            ratio = f"{row['ratio_to_one_seed']:.2f}x" if one_seed else "-"
+            print(
+                f"  {script:<13}{num_seeds:>4} seeds: {median * 1e3:>9.1f} ms per chunk, {ratio} of 1 seed, "
+                f"{row['steps_per_second']:,} env steps/s in all (compile {runner.compile_seconds:.1f} s)",
+                flush=True,
+            )
+            rows.append(row)
+    plot_script_rows(
+        rows,
+        "num_seeds",
+        "ratio_to_one_seed",
+        "vmapped seeds",
+        "wall time per chunk / 1 seed's",
+        "seed scaling (flat = free seeds)",
+        args,
+        "benchmark_seeds.png",
+    )
+    return stamp(rows)
+
+
+def first_crossing_seconds(metrics_csv: str, bar: float) -> float | None:
+    """Wall seconds (compile excluded) at the first chunk whose mean training-episode return
+    reached `bar`, from the script's metrics.csv (first seed); None if none did."""
+    with open(metrics_csv) as file:
+        header, *lines = [line.strip().split(",") for line in file if line.strip()]
+    for values in lines:
+        row = dict(zip(header, values, strict=True))
+        if float(row["episode_return"]) >= bar:  # "nan" (no episode ended) compares False
+            return float(row["wall_seconds"])
+    return None
+
+
+def add_solve_command_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="one run per script, ppo_snake left out")
+    add_solve_arguments(parser)
+
+
+def add_solve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--solve-scripts",
+        nargs="+",
+        default=SCRIPTS,
+        choices=SCRIPTS,
+        help="scripts to run with their defaults (ppo_snake only without --quick)",
+    )
+    parser.add_argument("--solve-runs", type=int, default=3, help="default runs per script (1 with --quick)")
+    parser.add_argument(
+        "--solve-flags",
+        type=shlex.split,
+        default=[],
+        help="extra flags for every script in one string, e.g. --solve-flags='--total-timesteps 4096' (smoke test)",
+    )
+
+
+def run_solve(args: argparse.Namespace) -> list[dict]:
+    """Each script's CLI with its default flags in a fresh process (so compile and JAX start-up
+    are what a user sees); its summary.json and metrics.csv give the figures."""
+    import subprocess
+    import sys
+    import tempfile
+
+    runs = 1 if args.quick else args.solve_runs
+    scripts = [s for s in args.solve_scripts if not (args.quick and s == "ppo_snake")]
+    print(f"time to solve on {device_label()}, jax {jax.__version__}, median of {runs} default run(s)")
+    rows = []
+    for script in scripts:
+        results = []
+        for run in range(runs):
+            with tempfile.TemporaryDirectory() as out:
+                seed = importlib.import_module(script).Config().seed + run  # the first run is the default one
+                command = [
+                    sys.executable,
+                    f"{script}.py",
+                    *SCRIPT_FLAGS,
+                    "--output-dir",
+                    out,
+                    "--seed",
+                    str(seed),
+                    *args.solve_flags,
+                ]
+                start = time.perf_counter()
+                subprocess.run(
+                    command, check=True, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__))
+                )
+                process_seconds = time.perf_counter() - start
+                with open(os.path.join(out, "summary.json")) as file:
+                    summary = json.load(file)
+                bar = SOLVED_BARS.get(script)
+                crossing = first_crossing_seconds(os.path.join(out, "metrics.csv"), bar) if bar is not None else None
+                results.append((summary, process_seconds, crossing))
+        summaries = [summary for summary, _, _ in results]
+        bar = SOLVED_BARS.get(script)
+        crossings = [c for _, _, c in results if c is not None]
+        row = dict(
+            benchmark="time_to_solve",
+            library=script,
+            env=script,
+            num_envs=summaries[0]["num_envs"],
+            num_seeds=1,
+            runs=runs,
+            solved_bar=bar,
+            train_seconds=round(statistics.median(s["train_seconds"] for s in summaries), 2),
+            compile_seconds=round(statistics.median(s["compile_seconds"] for s in summaries), 2),
+            process_seconds=round(statistics.median(p for _, p, _ in results), 2),
+            env_steps=summaries[0]["env_steps"],
+            final_returns=[round(s["final_return_mean"], 2) for s in summaries],
+            first_crossing_seconds=round(statistics.median(crossings), 2) if crossings else None,
+            extra_flags=args.solve_flags,
+        )
+        if bar is not None:
+            row["solved_runs"] = sum(s["final_return_mean"] >= bar for s in summaries)
+        if "final_score_mean" in summaries[0]:
+            row["final_scores"] = [round(s["final_score_mean"], 2) for s in summaries]
+        outcome = (
+            f"{row['solved_runs']}/{runs} solved (bar {bar:g})"
+            if bar is not None
+            else f"greedy score {row['final_scores']}"
+        )
+        print(
+            f"  {script:<13} train {row['train_seconds']:.1f} s + compile {row['compile_seconds']:.1f} s, "
+            f"first training return past the bar at {row['first_crossing_seconds']} s, final eval "
+            f"{row['final_returns']}: {outcome}",
+            flush=True,
+        )
+        rows.append(row)
+    return stamp(rows)
+
+
+def stamp(rows: list[dict]) -> list[dict]:
+    """Device, JAX version and date on every row."""
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    for row in rows:
+        row.update(device=device_label(), jax_version=jax.__version__, date=date)
+    return rows
+
+
+def plot_script_rows(
+    rows: list[dict], x: str, y: str, xlabel: str, ylabel: str, title: str, args: argparse.Namespace, filename: str
+) -> None:
+    """One line per script of `y` against `x`, next to the JSON file (skipped with --no-save)."""
+    if args.no_save or not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for script in dict.fromkeys(row["library"] for row in rows):
+        points = sorted((row[x], row[y]) for row in rows if row["library"] == script and row[y] is not None)
+        axes.plot(*zip(*points, strict=True), "-o", label=script)
+    axes.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=f"{title}, {device_label()}")
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    path = os.path.join(os.path.dirname(args.output) or ".", filename)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"wrote {path}")
+
+
+def add_all_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="the short version of every benchmark")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
+    parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="scripts for train and seeds")
+    parser.add_argument("--seeds", type=int, nargs="+", help="vmapped seed counts (default 1 4 16 64; --quick 1 4 16)")
+    parser.add_argument("--iterations", type=int, default=None, help="iterations per timed chunk (train, seeds)")
+    add_solve_arguments(parser)
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
+    """envs, train, seeds and solve with their own defaults (each one's --num-envs default)."""
+    gpu = jax.devices()[0].platform != "cpu"
+    envs_args = argparse.Namespace(
+        **vars(args), num_envs=[1, 256, 4096, 65536] + ([2**20] if gpu else []), envs=ENV_NAMES, no_reference=False
+    )
+    rows = run_envs(envs_args)
+    rows += run_train(argparse.Namespace(**vars(args), num_envs=None))
+    rows += run_seeds(args)
+    return rows + run_solve(args)
+
+
+# ---------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------
 
 # name -> (help, add_arguments, run). A subcommand's run returns the rows it measured.
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], list]]] = {
     "envs": ("env steps per second of every env, next to gymnax / jumanji", add_envs_arguments, run_envs),
+    "train": ("training env steps/s and updates/s of every script across num-envs", add_train_arguments, run_train),
+    "seeds": ("wall time of 1, 4, 16, 64 vmapped seeds of every script", add_seeds_arguments, run_seeds),
+    "solve": ("each script's default run: wall seconds to the solved bar", add_solve_command_arguments, run_solve),
+    "all": ("envs, train, seeds and solve", add_all_arguments, run_all),
 }
-ROW_KEY = ("benchmark", "library", "env", "num_envs", "device")
+ROW_KEY = ("benchmark", "library", "env", "num_envs", "num_seeds", "device")
 
 
 def main() -> None:

@@ -1,0 +1,97 @@
+"""benchmark.py's train, seeds and solve subcommands on tiny sizes: each writes its rows (device,
+JAX version and date on every one) and its plot next to the --output JSON, in a temporary
+directory. Timings are never asserted, only that they were measured."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def benchmark(output: Path, *args: str) -> list[dict]:
+    """Run `python benchmark.py --output output args...` in the repo and return the JSON's rows."""
+    subprocess.run(
+        [sys.executable, "benchmark.py", "--output", str(output), *args],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(output.read_text())["rows"]
+
+
+def check_stamped(rows: list[dict]) -> None:
+    for row in rows:
+        assert row["device"] and row["jax_version"] and row["date"]
+
+
+def test_train_and_seeds_write_rows_and_plots(tmp_path: Path) -> None:
+    output = tmp_path / "benchmarks.json"
+    rows = benchmark(
+        output,
+        "train",
+        "--scripts",
+        "sac_pendulum",
+        "ppo_cartpole",
+        "--num-envs",
+        "4",
+        "8",
+        "--iterations",
+        "2",
+        "--repeats",
+        "1",
+    )
+    train = [row for row in rows if row["benchmark"] == "train_throughput"]
+    assert sorted((row["library"], row["num_envs"]) for row in train) == [
+        ("ppo_cartpole", 4),
+        ("ppo_cartpole", 8),
+        ("sac_pendulum", 4),
+        ("sac_pendulum", 8),
+    ]
+    for row in train:
+        assert row["steps_per_second"] > 0 and row["updates_per_second"] > 0 and row["compile_seconds"] > 0
+        # a chunk of 2 iterations: 2 vector steps (SAC) or 2 rollouts of num_steps (PPO)
+        assert row["chunk_steps"] == 2 * row["num_envs"] * (1 if row["library"] == "sac_pendulum" else 64)
+    check_stamped(train)
+    assert (tmp_path / "benchmark_train.png").stat().st_size > 0
+
+    rows = benchmark(
+        output, "seeds", "--scripts", "ppo_cartpole", "--seeds", "1", "2", "--iterations", "1", "--repeats", "1"
+    )
+    seeds = [row for row in rows if row["benchmark"] == "seed_scaling"]
+    assert len(rows) == len(train) + len(seeds)  # merged: the train rows are kept
+    assert [row["num_seeds"] for row in seeds] == [1, 2]
+    assert seeds[0]["ratio_to_one_seed"] == 1.0 and seeds[1]["ratio_to_one_seed"] > 0
+    assert seeds[1]["steps_per_second"] > 0
+    check_stamped(seeds)
+    assert (tmp_path / "benchmark_seeds.png").stat().st_size > 0
+
+
+def test_solve_reads_the_scripts_summary(tmp_path: Path) -> None:
+    output = tmp_path / "benchmarks.json"
+    rows = benchmark(
+        output,
+        "solve",
+        "--quick",
+        "--solve-scripts",
+        "ppo_cartpole",
+        "--solve-flags=--total-timesteps 4096 --num-envs 8 --log-every 1024 --eval-episodes 1",
+    )
+    (row,) = rows
+    assert row["benchmark"] == "time_to_solve" and row["library"] == "ppo_cartpole" and row["runs"] == 1
+    assert row["solved_bar"] == 475.0 and row["num_envs"] == 8 and row["env_steps"] == 4096
+    assert row["train_seconds"] > 0 and row["compile_seconds"] > 0
+    assert len(row["final_returns"]) == 1 and row["solved_runs"] in (0, 1)
+    check_stamped(rows)
+
+
+def test_first_crossing_seconds(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO))
+    from benchmark import first_crossing_seconds
+
+    csv = tmp_path / "metrics.csv"
+    csv.write_text("seed,env_steps,wall_seconds,episode_return\n0,100,1.5,nan\n0,200,2.5,480.0\n0,300,3.5,490\n")
+    assert first_crossing_seconds(str(csv), 475.0) == 2.5
+    assert first_crossing_seconds(str(csv), 495.0) is None
