@@ -1,9 +1,8 @@
 """SAC on Pendulum-v1, fully on device. Docs: docs/sac.md
 
-Soft actor-critic with twin critics and a learned temperature (Haarnoja et al. 2018, "Soft
-Actor-Critic Algorithms and Applications"), shaped like CleanRL's sac_continuous_action.py but
-pure JAX: envs, replay buffer and updates stay on the device, and one compiled `lax.scan` runs
-a whole chunk of (act in all envs, store, update) iterations between two progress lines.
+Soft actor-critic with twin critics and a learned temperature (Haarnoja et al. 2018, "Soft Actor-Critic
+Algorithms and Applications"), shaped like CleanRL's sac_continuous_action.py but pure JAX: envs, replay
+buffer and updates stay on the device; one compiled `lax.scan` runs a chunk of (act, store, update) steps.
 
     python sac_pendulum.py                   # train, evaluate, write runs/sac_pendulum__1__<time>/
     python sac_pendulum.py --num-seeds 8     # 8 seeds in one vmapped program
@@ -119,6 +118,7 @@ class Config:
 class UsageError(Exception):
     """A user error: reported as one line, exit status 2, no traceback."""
 
+
 def chunk_counts(config: Config) -> tuple[int, int]:
     """(iterations per chunk, number of chunks); an iteration steps every env once."""
     iterations_per_chunk = max(config.log_every // max(config.num_envs, 1), 1)
@@ -162,7 +162,7 @@ def parse_config(args: Sequence[str] | None = None) -> Config:
     except SystemExit as exit_:
         lines = [text for line in captured.getvalue().splitlines() if (text := line.strip("│╭╮╰╯─ ")).strip("-")]
         if exit_.code:  # not --help; the box's title (UTF-8 or ASCII rules dropped), then its message
-            print(f"{SCRIPT}.py: error: {(lines + ['', 'bad arguments'])[1]} (see --help)", file=sys.stderr)
+            print(f"{SCRIPT}.py: error: {(lines[1:] or ['bad arguments'])[0]} (see --help)", file=sys.stderr)
         raise
 
 
@@ -481,8 +481,7 @@ def make_evaluate(config: Config):
 
 
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:  # no reader sees a half-written file
-    temporary = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    write(temporary)
+    write(temporary := path.with_name(f".{path.stem}.tmp{path.suffix}"))
     os.replace(temporary, path)
 
 
