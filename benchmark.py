@@ -279,19 +279,22 @@ def env_table(rows: list[dict]) -> str:
 
 
 def plot_env_rows(rows: list[dict], path: str, device: str) -> None:
-    """Steps per second against the number of envs, one line per library and env."""
+    """Steps per second against the number of envs: one colour per env, ours solid, the
+    reference library's dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for library, env in sorted({(row["library"], row["env"]) for row in rows}):
+    env_names = sorted({row["env"] for row in rows})
+    for library, env in sorted({(row["library"], row["env"]) for row in rows}, key=lambda pair: (pair[1], pair[0])):
         points = sorted(
             (row["num_envs"], row["steps_per_second"]) for row in rows if (row["library"], row["env"]) == (library, env)
         )
         style = "-o" if library == "ours" else "--s"
-        axes.plot(*zip(*points, strict=True), style, label=f"{env} ({library})")
+        color = f"C{env_names.index(env) % 10}"
+        axes.plot(*zip(*points, strict=True), style, color=color, label=f"{env} ({library})")
     axes.set(
         xscale="log",
         yscale="log",
