@@ -2,6 +2,7 @@
 rules, the episode-statistics wrapper and the renderers. Docs: docs/envs.md"""
 
 import functools
+import json
 from typing import Any
 
 import gymnasium
@@ -623,3 +624,33 @@ def test_renderers_draw_uint8_frames_and_vmap(name):
     wrapped = envs.EpisodeStats(env)
     _, wrapped_state = wrapped.reset(jax.random.key(0), params)
     assert jax.eval_shape(wrapped.render, wrapped_state, params).shape == single.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmark.py envs: runs, and merges its rows into the results file
+# ---------------------------------------------------------------------------------------------
+
+
+def test_benchmark_envs_writes_rows_and_keeps_other_rows(tmp_path, monkeypatch):
+    import benchmark
+
+    output = tmp_path / "benchmarks.json"
+    other = {"benchmark": "train_throughput", "library": "some_script", "env": "x", "num_envs": 2, "device": "d"}
+    benchmark.merge_rows(str(output), [other], benchmark.ROW_KEY)
+    argv = ["benchmark.py", "--output", str(output), "envs", "--num-envs", "2", "--quick", "--repeats", "2"]
+    monkeypatch.setattr("sys.argv", [*argv, "--envs", "CartPole-v1", "Snake", "--no-reference"])
+    benchmark.main()
+    rows = json.loads(output.read_text())["rows"]
+    assert other in rows
+    measured = [row for row in rows if row["benchmark"] == "env_steps"]
+    assert sorted(row["env"] for row in measured) == ["CartPole-v1", "Snake"]
+    for row in measured:
+        assert row["library"] == "ours" and row["num_envs"] == 2 and row["repeats"] == 2
+        assert row["steps_per_second"] > 0 and row["compile_seconds"] > 0 and len(row["steps_per_second_runs"]) == 2
+        assert row["device"] and row["jax_version"] == jax.__version__ and row["date"]
+    assert (tmp_path / "benchmark_envs.png").stat().st_size > 0
+    # A second run replaces rows with the same key instead of adding duplicates.
+    monkeypatch.setattr("sys.argv", [*argv, "--envs", "Snake", "--no-reference"])
+    benchmark.main()
+    rows = json.loads(output.read_text())["rows"]
+    assert len(rows) == 3 and other in rows
