@@ -553,16 +553,16 @@ def train_and_log(config: Config, sharding: NamedSharding, out: Path, evaluate: 
     buffer_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state_shape.buffer)) / 2**20
     print(f"{SCRIPT}: {ENV_ID}, {config.num_seeds} seed(s) x {config.num_envs} envs on {sharding.mesh.size} device(s) "
           f"{sharding.mesh.devices.tolist()}, replay buffer {buffer_mb / config.num_seeds:.1f} MB per seed", flush=True)
-    start = time.perf_counter()
-    init = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding).lower(keys).compile()
+    # init compiles on a second thread beside the chunk function, the evaluation while the chunks run.
+    start, pool = time.perf_counter(), ThreadPoolExecutor(2)
+    init = pool.submit(jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding).lower(keys).compile)
     # The state is donated: the chunk updates the buffer in place instead of copying it.
     run_chunk = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)), donate_argnums=0, out_shardings=sharding,
                         in_shardings=(sharding, NamedSharding(sharding.mesh, PartitionSpec())))
-    run_chunk = run_chunk.lower(state_shape, jnp.int32(0)).compile()
+    run_chunk, init = run_chunk.lower(state_shape, jnp.int32(0)).compile(), init.result()
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
-    # The evaluation compiles on a spare thread while the chunks run.
-    evaluate = ThreadPoolExecutor(1).submit(evaluate.lower(state_shape.learner.actor_params, eval_keys).compile)
+    evaluate = pool.submit(evaluate.lower(state_shape.learner.actor_params, eval_keys).compile)
 
     stop = threading.Event()  # set by Ctrl-C: the loop ends after the chunk in progress
     previous_handler = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
