@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,6 +126,7 @@ class Config:
 class UsageError(Exception):
     """A user error: reported as one line, exit status 2, no traceback."""
 
+
 def chunk_counts(config: Config) -> tuple[int, int]:
     """(iterations per chunk, number of chunks); an iteration steps every env once."""
     iterations_per_chunk = max(config.log_every // max(config.num_envs, 1), 1)
@@ -153,8 +155,7 @@ def validate(config: Config) -> None:
          f"in [0, {trained_steps}) (the env steps trained)"),
         ("num_seeds", c.num_seeds % jax.device_count() == 0, f"a multiple of the {jax.device_count()} devices"),
         ("load_model", c.eval_only == (c.load_model is not None), "given with --eval-only, and only then"),
-        ("load_model", c.load_model is None or Path(c.load_model).is_file(), "an existing file"),
-    ]
+        ("load_model", c.load_model is None or Path(c.load_model).is_file(), "an existing file")]
     for name, ok, allowed in rules:
         if not ok:
             value = getattr(e, name[4:]) if name.startswith("env.") else getattr(c, name)
@@ -183,7 +184,7 @@ def parse_config(args: Sequence[str] | None = None) -> Config:
     except SystemExit as exit_:
         lines = [text for line in captured.getvalue().splitlines() if (text := line.strip("│╭╮╰╯─ ")).strip("-")]
         if exit_.code:  # not --help; the box's title (UTF-8 or ASCII rules dropped), then its message
-            print(f"{SCRIPT}.py: error: {(lines + ['', 'bad arguments'])[1]} (see --help)", file=sys.stderr)
+            print(f"{SCRIPT}.py: error: {(lines[1:] or ['bad arguments'])[0]} (see --help)", file=sys.stderr)
         raise
 
 
@@ -213,8 +214,7 @@ class Actor(nn.Module):
     action_dim: int
 
     @nn.compact
-    def __call__(self, obs: Array) -> tuple[Array, Array]:
-        x = obs
+    def __call__(self, x: Array) -> tuple[Array, Array]:  # x: observations
         for size in self.hidden_sizes:
             x = nn.relu(nn.Dense(size)(x))
         mean, log_std = jnp.split(nn.Dense(2 * self.action_dim)(x), 2, axis=-1)
@@ -512,8 +512,7 @@ def make_evaluate(config: Config):
 
 
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:  # no reader sees a half-written file
-    temporary = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    write(temporary)
+    write(temporary := path.with_name(f".{path.stem}.tmp{path.suffix}"))
     os.replace(temporary, path)
 
 
@@ -579,8 +578,8 @@ def seed_keys(config: Config) -> PRNGKey:  # seed i of a vmapped run is the run 
     return jax.vmap(jax.random.key)(config.seed + jnp.arange(config.num_seeds))
 
 
-def train_and_log(config: Config, sharding: NamedSharding, out: Path) -> tuple[TrainState, list[dict], dict]:
-    """The CLI's loop: the compiled chunk function called from Python, a progress line per chunk."""
+def train_and_log(config: Config, sharding: NamedSharding, out: Path, evaluate: Callable, eval_keys: PRNGKey):
+    """The CLI's loop: the compiled chunk function from Python, a progress line per chunk."""
     (init, run_chunk, _), (iterations_per_chunk, num_chunks) = make_train(config), chunk_counts(config)
     keys = jax.device_put(seed_keys(config), sharding)
     state_shape = jax.eval_shape(jax.vmap(init), keys)
@@ -596,6 +595,8 @@ def train_and_log(config: Config, sharding: NamedSharding, out: Path) -> tuple[T
     run_chunk = run_chunk.lower(state_shape, jnp.int32(0)).compile()
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
+    # The evaluation compiles on a spare thread while the chunks run.
+    evaluate = ThreadPoolExecutor(1).submit(evaluate.lower(state_shape.learner.actor_params, eval_keys).compile)
 
     stop = threading.Event()  # set by Ctrl-C: the loop ends after the chunk in progress
     previous_handler = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
@@ -636,7 +637,7 @@ def train_and_log(config: Config, sharding: NamedSharding, out: Path) -> tuple[T
     seconds, steps = time.perf_counter() - start, int(state.env_steps[0])
     return state, rows, {"train_seconds": seconds, "compile_seconds": compile_seconds, "env_steps": steps,
                          "updates": done_updates, "env_steps_per_second": steps / seconds,
-                         "updates_per_second": done_updates / seconds}
+                         "updates_per_second": done_updates / seconds}, evaluate.result()
 
 
 def main(config: Config) -> None:
@@ -653,15 +654,14 @@ def main(config: Config) -> None:
     write_json = lambda name, values: write_atomic(  # noqa: E731
         out / name, lambda temporary: temporary.write_text(json.dumps(values, indent=2) + "\n"))
     write_json("config.json", dataclasses.asdict(config))
+    eval_keys = jax.device_put(jax.vmap(lambda key: jax.random.fold_in(key, 1))(seed_keys(config)), sharding)
+    evaluate = jax.jit(jax.vmap(make_evaluate(config)), in_shardings=sharding)  # keys apart from training's
     if config.eval_only:
         summary = {"eval_only": True, "load_model": config.load_model}
     else:
-        state, rows, summary = train_and_log(config, sharding, out)
+        state, rows, summary, evaluate = train_and_log(config, sharding, out, evaluate, eval_keys)
         actor_params = state.learner.actor_params
-
-    eval_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(seed_keys(config))  # apart from training's
-    evaluate = jax.jit(jax.vmap(make_evaluate(config)), in_shardings=sharding)
-    returns, upright, episodes = jax.device_get(evaluate(actor_params, jax.device_put(eval_keys, sharding)))
+    returns, upright, episodes = jax.device_get(evaluate(actor_params, eval_keys))
     print(f"evaluation, {config.eval_episodes} deterministic episodes per seed: mean return "
           + ", ".join(f"{r:.1f}" for r in returns) + ", upright through the second half "
           + ", ".join(f"{u:.0%}" for u in upright), flush=True)
