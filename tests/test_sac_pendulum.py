@@ -1,5 +1,5 @@
 """Tests of sac_pendulum.py: the buffer, the losses, the tanh-Gaussian, seeds under vmap, the
-CLI contract (in subprocesses) and, marked slow, that a short run learns."""
+CLI contract (in process and in subprocesses) and, marked slow, that a short run learns."""
 
 import csv
 import dataclasses
@@ -350,8 +350,9 @@ def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path):
 
 @pytest.mark.slow
 def test_default_config_learns_to_swing_up():
-    """Two seeds of the default config, shortened to 24k env steps (1,500 updates): a random policy
-    scores about -1200; our runs of this reached about -150 (threshold -400 leaves a wide margin)."""
+    """Two seeds of the default config, shortened to 24k env steps (1,437 updates). A random policy
+    scores about -1200; 8 seeds of this config measured after 1,437 updates: worst -178, median
+    -154 (50 episodes each). The threshold -400 leaves a wide margin."""
     config = dataclasses.replace(sac.Config(), num_seeds=2, total_timesteps=24_000, eval_episodes=20)
     _, _, train = sac.make_train(config)
     state, metrics = jax.jit(jax.vmap(train))(sac.seed_keys(config))
