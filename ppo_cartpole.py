@@ -1,13 +1,14 @@
-"""PPO on CartPole-v1, fully on device: CleanRL's ppo.py in pure JAX, one compiled lax.scan per
-chunk of PPO iterations (Schulman et al. 2017; GAE, Schulman et al. 2016; the details of Huang et
-al. 2022). Docs: docs/ppo.md
+"""PPO on CartPole-v1, fully on device. Docs: docs/ppo.md
+
+CleanRL's ppo.py in pure JAX, one compiled lax.scan per chunk of PPO iterations (Schulman et al.
+2017; GAE, Schulman et al. 2016; the implementation details of Huang et al. 2022).
 
     python ppo_cartpole.py                   # train, evaluate, write runs/ppo_cartpole__0__<time>/
     python ppo_cartpole.py --num-seeds 16    # 16 seeds in one vmapped program
     python ppo_cartpole.py --eval-only --load-model runs/<run>/model.msgpack
 """
 
-import csv
+import contextlib
 import dataclasses
 import io
 import json
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -56,8 +58,6 @@ class EnvConfig:
     """mass of the pole (kg)"""
     length: float = 0.5
     """half the pole's length (m)"""
-    force_mag: float = 10.0
-    """force of one push (N)"""
     max_steps_in_episode: int = 500
     """time limit in steps (a truncation: GAE still bootstraps there)"""
 
@@ -124,6 +124,19 @@ class UsageError(Exception):
     """A user error: reported as one line, exit status 2, no traceback."""
 
 
+def parse_config(args: Sequence[str] | None = None) -> Config:
+    """tyro.cli, with tyro's boxed parse errors reduced to one line (exit status 2)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return tyro.cli(Config, args=args, description=__doc__.splitlines()[0])
+    except SystemExit as exit_:
+        lines = [text for line in captured.getvalue().splitlines() if (text := line.strip("│╭╮╰╯─ ")).strip("-")]
+        if exit_.code:  # not --help: the box's title (UTF-8 or ASCII rules dropped), then its message
+            print(f"{SCRIPT}.py: error: {(lines + ['', 'bad arguments'])[1]} (see --help)", file=sys.stderr)
+        raise
+
+
 class Sizes(NamedTuple):  # the counts that follow from the config
     batch_size: int  # env steps per PPO iteration, all envs
     updates_per_iteration: int  # gradient steps
@@ -153,14 +166,13 @@ def validate(config: Config) -> None:
         ("in (0, 1]", lambda value: 0 < value <= 1, ["gamma"]),
         ("in [0, 1]", lambda value: 0 <= value <= 1, ["gae_lambda"]),
         ("in [0, 2**31 - num_seeds)", lambda value: 0 <= value < 2**31 - config.num_seeds, ["seed"]),
+        ("> 0", lambda value: value > 0, [f"env.{name}" for name in dataclasses.asdict(config.env)]),
     ]
     for allowed, holds, names in rules:
         for name in names:
-            if not holds(getattr(config, name)):
-                raise UsageError(f"--{name.replace('_', '-')} must be {allowed}, got {getattr(config, name)}")
-    for name, value in dataclasses.asdict(config.env).items():
-        if not value > 0:
-            raise UsageError(f"--env.{name.replace('_', '-')} must be > 0, got {value}")
+            value = getattr(config.env, name[4:]) if name.startswith("env.") else getattr(config, name)
+            if not holds(value):
+                raise UsageError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
     size = sizes(config)
     if size.batch_size % config.num_minibatches:
         raise UsageError(f"--num-minibatches must divide --num-envs * --num-steps = {size.batch_size}, "
@@ -192,18 +204,18 @@ class MLP(nn.Module):
 
 
 def make_networks(config: Config, num_actions: int) -> tuple[MLP, MLP]:
-    """Actor (logits) and critic (value) as separate networks, no shared trunk: on CartPole a
-    shared trunk only couples two losses of different scales (Huang et al. 2022, detail 13), and
-    separate ones let the rollout run the actor alone and value all its states in one batch."""
+    """Separate actor (logits) and critic (value), no shared trunk: on CartPole one would only couple
+    two losses of different scales (Huang et al. 2022, detail 13), and the rollout runs the actor alone."""
     hidden = (config.hidden_size, config.hidden_size)
     return MLP(hidden, num_actions), MLP(hidden, 1)
 
 
 def init_orthogonal(networks: dict[str, tuple[MLP, float]], key: chex.PRNGKey, obs_shape: Sequence[int]) -> dict:
-    """Parameters of each named (network, head gain): orthogonal weights with gain sqrt(2), the
-    head's with its own gain (0.01 for the policy, which then starts near uniform; 1 for the
-    value), zero biases (Huang et al. 2022, detail 2). As flax's orthogonal initialiser, but with
-    one Gaussian draw for all layers: on CPU each random-draw site is costly code to compile."""
+    """Parameters of each named (network, head gain): orthogonal weights, gain sqrt(2) and the head's
+    own (0.01 for the policy, which then starts near uniform; 1 for the value), zero biases (Huang et
+    al. 2022, detail 2). A weight is the polar factor G (G^T G)^-1/2 of a Gaussian G, as uniform as
+    flax's QR of G, by Newton-Schulz steps (batched LAPACK QR can deadlock on CPU: docs/ppo.md),
+    from one Gaussian draw for all layers (on CPU each random-draw site is costly code to compile)."""
     shapes = {name: jax.eval_shape(net.init, key, jnp.zeros(obs_shape)) for name, (net, _) in networks.items()}
     flat, unravel = flatten_util.ravel_pytree(jax.tree.map(lambda leaf: jnp.zeros(leaf.shape), shapes))
     gaussians = unravel(jax.random.normal(key, flat.shape))
@@ -212,11 +224,10 @@ def init_orthogonal(networks: dict[str, tuple[MLP, float]], key: chex.PRNGKey, o
         if path[-1].key == "bias":
             return jnp.zeros_like(gaussian)
         net, head_gain = networks[path[0].key]
-        wide = gaussian.shape[0] < gaussian.shape[1]
-        q, r = jnp.linalg.qr(gaussian.T if wide else gaussian)
-        q = q * jnp.sign(jnp.diagonal(r))  # uniformly distributed over orthogonal matrices (Mezzadri 2007)
-        gain = head_gain if path[-2].key == f"Dense_{len(net.hidden_sizes)}" else math.sqrt(2)
-        return gain * (q.T if wide else q)
+        x = gaussian / jnp.linalg.norm(gaussian)  # singular values in (0, 1]
+        # A step maps each singular value s to s (3 - s^2) / 2: towards 1, x 1.5 while small.
+        polar = jax.lax.fori_loop(0, 60, lambda _, x: 1.5 * x - 0.5 * x @ (x.T @ x), x)
+        return polar * (head_gain if path[-2].key == f"Dense_{len(net.hidden_sizes)}" else math.sqrt(2))
 
     return jax.tree_util.tree_map_with_path(orthogonal, gaussians)
 
@@ -262,12 +273,10 @@ class Batch:  # what the PPO update needs of each sample; leading axis: samples
 
 def compute_gae(rewards, values, next_values, terminated, truncated, gamma, gae_lambda):
     """GAE(lambda) over [num_steps, num_envs] arrays by a reverse scan (Schulman et al. 2016).
-
     next_values[t] is the value of the state step t reached: the next observation's, or at an
     episode end the final observation's (before the auto-reset). A termination bootstraps
     nothing; a time-limit truncation bootstraps next_values[t], as the state is not terminal.
-    Either end stops the advantage from flowing back across the episode boundary.
-    Returns (advantages, targets = advantages + values)."""
+    Either end stops the advantage sum at the boundary. Returns (advantages, advantages + values)."""
     chex.assert_equal_shape([rewards, values, next_values, terminated, truncated])
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
     continues = 1.0 - jnp.logical_or(terminated, truncated)
@@ -315,8 +324,7 @@ def minibatch_indices(key: chex.PRNGKey, num_epochs: int, batch_size: int, num_m
 
 
 def make_env(config: Config) -> tuple[envs.Environment, envs.CartPoleParams]:
-    env, _ = envs.make(ENV_ID)
-    return env, envs.CartPoleParams(**dataclasses.asdict(config.env))
+    return envs.make(ENV_ID)[0], envs.CartPoleParams(**dataclasses.asdict(config.env))
 
 
 def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
@@ -463,11 +471,8 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
-    write_atomic(path, lambda temporary: temporary.write_text(text.getvalue()))
+    lines = [",".join(CSV_COLUMNS)] + [",".join(str(row[column]) for column in CSV_COLUMNS) for row in rows]
+    write_atomic(path, lambda temporary: temporary.write_text("\n".join(lines) + "\n"))
 
 
 def save_checkpoint(path: Path, config: Config, params: dict) -> None:
@@ -540,10 +545,11 @@ def seed_keys(config: Config) -> chex.PRNGKey:
     return jax.vmap(jax.random.key)(config.seed + jnp.arange(config.num_seeds))
 
 
-def train_with_progress(config: Config, sharding: NamedSharding, out: Path) -> tuple[dict, dict, list[dict]]:
-    """The CLI's training: the jitted, vmapped run_chunk called once per chunk with the state
-    donated; in between, one progress line and the metrics rows. Ctrl-C stops it after the
-    chunk. Returns (every seed's params, summary, metrics rows); exits on a non-finite value."""
+def train_with_progress(config: Config, sharding: NamedSharding, out: Path, evaluate: Callable,
+                        eval_keys: chex.PRNGKey) -> tuple[dict, dict, list[dict], Callable]:
+    """The CLI's loop: the jitted, vmapped run_chunk once per chunk with the state donated, a progress
+    line and metrics rows in between, `evaluate` compiling meanwhile in a thread. Ctrl-C stops after
+    the chunk; a non-finite value exits. Returns (params, summary, rows, the compiled evaluate)."""
     size = sizes(config)
     init, run_chunk, _ = make_train(config)
     start = time.perf_counter()
@@ -551,6 +557,7 @@ def train_with_progress(config: Config, sharding: NamedSharding, out: Path) -> t
     run_chunk = jax.jit(jax.vmap(run_chunk), out_shardings=sharding, donate_argnums=0).lower(state).compile()
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
+    evaluate = ThreadPoolExecutor(1).submit(evaluate.lower(state.params["actor"], eval_keys).compile)
 
     stop = threading.Event()
 
@@ -573,19 +580,18 @@ def train_with_progress(config: Config, sharding: NamedSharding, out: Path) -> t
                       sps=round(sps), **{name: float(metrics[name][i]) for name in METRIC_NAMES})
                  for i in range(config.num_seeds)]
         write_csv(out / "metrics.csv", rows)  # all rows so far: valid whenever the run stops
-        returns = metrics["episode_return"]
-        spread = f" ± {np.nanstd(returns):.1f} (min {np.nanmin(returns):.1f})" if config.num_seeds > 1 else ""
+        ended = metrics["episode_return"][np.isfinite(metrics["episode_return"])]  # seeds with an episode end
+        shown = f"{ended.mean():.1f} ± {ended.std():.1f} (min {ended.min():.1f})" if ended.size else "-"
         print(f"steps {env_steps:,}/{size.env_steps:,} ({env_steps / size.env_steps:.0%}) | SPS {sps:,.0f} | "
               f"updates/s {size.iterations_per_chunk * size.updates_per_iteration * sps / size.chunk_steps:,.0f} | "
-              f"return {np.nanmean(returns):.1f}{spread} | "
+              f"return {shown} | "
               + " ".join(f"{name} {np.mean(metrics[name]):.3g}" for name in LOSS_NAMES)
               + f" | {elapsed:.1f} s, ETA {elapsed / chunk * (size.num_chunks - chunk):.1f} s", flush=True)
         finite = {name: np.isfinite(metrics[name]) for name in LOSS_NAMES} | {"parameter": metrics["params_finite"]}
         for name, ok in finite.items():
-            if not ok.all():
-                print(f"{SCRIPT}: non-finite {name} in chunk {chunk}, seed {config.seed + int(np.argmin(ok))}; "
-                      f"stopped, the files in {out} hold the chunks so far", file=sys.stderr)
-                sys.exit(1)
+            if not ok.all():  # exit status 1, the message on stderr
+                sys.exit(f"{SCRIPT}: non-finite {name} in chunk {chunk}, seed {config.seed + int(np.argmin(ok))}; "
+                         f"stopped, the files in {out} hold the chunks so far")
         if stop.is_set():
             break
     train_seconds = time.perf_counter() - start
@@ -593,7 +599,7 @@ def train_with_progress(config: Config, sharding: NamedSharding, out: Path) -> t
     summary = dict(train_seconds=train_seconds, compile_seconds=compile_seconds, env_steps=env_steps,
                    env_steps_per_second=env_steps / train_seconds, updates=updates,
                    updates_per_second=updates / train_seconds, stopped_early=chunk < size.num_chunks)
-    return state.params, summary, rows
+    return state.params, summary, rows, evaluate.result()
 
 
 def main(config: Config) -> None:
@@ -610,26 +616,24 @@ def main(config: Config) -> None:
     device = f"{len(devices)} x {devices[0].device_kind}"
     out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "config.json",
-                 lambda temporary: temporary.write_text(json.dumps(dataclasses.asdict(config), indent=2)))
+    write_atomic(out / "config.json", lambda path: path.write_text(json.dumps(dataclasses.asdict(config), indent=2)))
     size = sizes(config)
     print(f"{SCRIPT}: {ENV_ID} on {device}, {config.num_seeds} seed(s) x {config.num_envs} envs"
           + ("" if config.eval_only else f", {size.num_iterations} iterations of {size.batch_size} steps in "
              f"{size.num_chunks} chunks ({size.env_steps:,} env steps per seed)") + f"; outputs in {out}", flush=True)
-    summary: dict[str, Any] = dict(eval_only=config.eval_only)
+    evaluate = jax.jit(jax.vmap(make_evaluate(config)))
+    eval_keys = jax.device_put(jax.vmap(lambda key: jax.random.fold_in(key, 1))(seed_keys(config)), sharding)
+    summary: dict[str, Any] = dict(eval_only=config.eval_only)  # evaluation keys: a stream apart from training's
     if not config.eval_only:
-        params, train_summary, rows = train_with_progress(config, sharding, out)
+        params, train_summary, rows, evaluate = train_with_progress(config, sharding, out, evaluate, eval_keys)
         actor_params, summary = params["actor"], summary | train_summary
         if config.save_model:
             save_checkpoint(out / "model.msgpack", config, params)
-
-    evaluate = jax.jit(jax.vmap(make_evaluate(config)))
-    eval_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(seed_keys(config))  # a stream apart from training
-    returns, states = evaluate(jax.device_put(actor_params, sharding), jax.device_put(eval_keys, sharding))
+    returns, states = evaluate(jax.device_put(actor_params, sharding), eval_keys)
     final_returns = np.asarray(returns).mean(axis=1)
-    print(f"greedy evaluation, {config.eval_episodes} episodes per seed: return {final_returns.mean():.1f}"
-          + (f" ± {final_returns.std():.1f} (min {final_returns.min():.1f})" if config.num_seeds > 1 else "")
-          + f"; {(final_returns >= SOLVED_RETURN).sum()}/{config.num_seeds} seed(s) >= {SOLVED_RETURN:g}", flush=True)
+    print(f"greedy evaluation, {config.eval_episodes} episodes per seed: return {final_returns.mean():.1f} ± "
+          f"{final_returns.std():.1f} (min {final_returns.min():.1f}); {(final_returns >= SOLVED_RETURN).sum()}/"
+          f"{config.num_seeds} seed(s) >= {SOLVED_RETURN:g}", flush=True)
     summary = dict(final_returns=final_returns.tolist(), final_return_mean=float(final_returns.mean()),
                    final_return_std=float(final_returns.std()), **summary, num_seeds=config.num_seeds,
                    num_envs=config.num_envs, eval_episodes=config.eval_episodes, device=device)
@@ -642,4 +646,4 @@ def main(config: Config) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Config))
+    main(parse_config())

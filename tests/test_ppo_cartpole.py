@@ -91,6 +91,17 @@ def test_minibatches_cover_every_sample_once_per_epoch():
         assert len({epoch.tobytes() for epoch in indices}) == 4  # a fresh permutation each epoch
 
 
+def test_init_is_orthogonal_with_the_gains_of_huang_et_al():
+    actor, critic = ppo.make_networks(TINY, num_actions=2)
+    params = ppo.init_orthogonal({"actor": (actor, 0.01), "critic": (critic, 1.0)}, jax.random.key(0), (4,))
+    for net, head_gain in [("actor", 0.01), ("critic", 1.0)]:
+        for layer, gain in [("Dense_0", np.sqrt(2)), ("Dense_1", np.sqrt(2)), ("Dense_2", head_gain)]:
+            weights = np.asarray(params[net]["params"][layer]["kernel"]) / gain
+            gram = weights.T @ weights if weights.shape[0] >= weights.shape[1] else weights @ weights.T
+            np.testing.assert_allclose(gram, np.eye(len(gram)), atol=1e-5, err_msg=f"{net} {layer}")
+            np.testing.assert_array_equal(params[net]["params"][layer]["bias"], 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # the pure core: seeds and determinism
 # ---------------------------------------------------------------------------------------------
