@@ -43,7 +43,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import envs
 
 SCRIPT = "sac_cartpole"
-EnvId = Literal["CartPoleContinuous", "CartPoleSwingup"]
 Params = Any  # a flax parameter tree
 
 # ---- config ----
@@ -73,7 +72,7 @@ class EnvConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    env_id: EnvId = "CartPoleContinuous"
+    env_id: Literal["CartPoleContinuous", "CartPoleSwingup"] = "CartPoleContinuous"
     """balance (CartPoleContinuous) or swing-up (CartPoleSwingup); each task has its own defaults"""
     seed: int = 1
     """seed of the first run; seed i of --num-seeds uses seed + i"""
@@ -163,11 +162,10 @@ def validate(config: Config) -> None:
 
 
 def default_config(env_id: str | None = None) -> Config:
-    """The defaults of a task. Swing-up must learn to pump energy into the pole before it can
-    balance it: it trains longer. These are defaults only: every flag still overrides them."""
-    if env_id == "CartPoleSwingup":
-        return Config(env_id="CartPoleSwingup", total_timesteps=100_000, log_every=10_000)
-    return Config()
+    """A task's defaults (flags override them). Swing-up explores more (target entropy 0, not -1), remembers
+    longer (1,000 steps of all envs) and trains longer: the fastest settings where 4/4 seeds swung up."""
+    swingup = dict(target_entropy=0.0, tau=0.1, buffer_size=1_000_000, total_timesteps=14_336_000, log_every=1_024_000)
+    return Config(env_id="CartPoleSwingup", **swingup) if env_id == "CartPoleSwingup" else Config()
 
 
 def parse_config(args: Sequence[str] | None = None) -> Config:
@@ -494,13 +492,12 @@ def make_evaluate(config: Config):
             obs, env_state, total, running, upright = carry
             keys, second_half = inputs
             action = setup.action_offset + setup.action_scale * jnp.tanh(setup.actor.apply(actor_params, obs)[0])
-            next_obs, next_state, reward, terminated, _ = jax.vmap(env.step_env, in_axes=(0, 0, 0, None))(
+            obs, next_state, reward, terminated, _ = jax.vmap(env.step_env, in_axes=(0, 0, 0, None))(
                 keys, env_state, action, env_params)
             stepped = running & ~terminated
             upright &= ~second_half | (stepped & (jnp.abs(envs.angle_normalize(next_state.theta)) < UPRIGHT_RADIANS))
-            keep = lambda new, old: jnp.where(running.reshape(-1, *[1] * (new.ndim - 1)), new, old)  # noqa: E731
-            carry = (keep(next_obs, obs), jax.tree.map(keep, next_state, env_state),
-                     total + jnp.where(running, reward, 0.0), stepped, upright)
+            next_state = jax.tree.map(lambda new, old: jnp.where(running, new, old), next_state, env_state)
+            carry = (obs, next_state, total + jnp.where(running, reward, 0.0), stepped, upright)
             return carry, jax.tree.map(lambda x: x[:GIF_ENVS], env_state)
 
         carry = (obs, env_state, jnp.zeros(num_episodes), jnp.ones(num_episodes, bool), jnp.ones(num_episodes, bool))
@@ -587,16 +584,16 @@ def train_and_log(config: Config, sharding: NamedSharding, out: Path, evaluate: 
     print(f"{SCRIPT}: {config.env_id}, {config.num_seeds} seed(s) x {config.num_envs} envs on {sharding.mesh.size} "
           f"device(s) {sharding.mesh.devices.tolist()}, replay buffer {buffer_mb / config.num_seeds:.1f} MB per seed",
           flush=True)
-    start = time.perf_counter()
-    init = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding).lower(keys).compile()
+    # init compiles on a second thread beside the chunk function, the evaluation while the chunks run.
+    start, pool = time.perf_counter(), ThreadPoolExecutor(2)
+    init = pool.submit(jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding).lower(keys).compile)
     # The state is donated: the chunk updates the buffer in place instead of copying it.
     run_chunk = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)), donate_argnums=0, out_shardings=sharding,
                         in_shardings=(sharding, NamedSharding(sharding.mesh, PartitionSpec())))
-    run_chunk = run_chunk.lower(state_shape, jnp.int32(0)).compile()
+    run_chunk, init = run_chunk.lower(state_shape, jnp.int32(0)).compile(), init.result()
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
-    # The evaluation compiles on a spare thread while the chunks run.
-    evaluate = ThreadPoolExecutor(1).submit(evaluate.lower(state_shape.learner.actor_params, eval_keys).compile)
+    evaluate = pool.submit(evaluate.lower(state_shape.learner.actor_params, eval_keys).compile)
 
     stop = threading.Event()  # set by Ctrl-C: the loop ends after the chunk in progress
     previous_handler = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
