@@ -68,8 +68,8 @@ class Config:
     """seed of the first run; seed i of --num-seeds uses seed + i"""
     num_seeds: int = 1
     """independent runs trained at once in one vmapped program"""
-    total_timesteps: int = 73_728
-    """env steps per seed, all envs together (rounded down to whole chunks); default 36 iterations"""
+    total_timesteps: int = 98_304
+    """env steps per seed, all envs together (rounded down to whole chunks); default 48 iterations"""
     learning_rate: float = 1e-2
     """Adam step size"""
     anneal_lr: bool = True

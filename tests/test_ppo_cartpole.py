@@ -259,7 +259,7 @@ def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path):
 
 @pytest.mark.slow
 def test_short_run_learns_to_balance():
-    config = dataclasses.replace(ppo.Config(), num_seeds=2)  # the defaults, 73,728 env steps
+    config = dataclasses.replace(ppo.Config(), num_seeds=2)  # the defaults: 98,304 env steps
     _, _, train = ppo.make_train(config)
     keys = ppo.seed_keys(config)
     state, metrics = jax.jit(jax.vmap(train))(keys)
