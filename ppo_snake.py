@@ -54,8 +54,7 @@ class EnvConfig:
     grid_size: int = 10
     """side of the square board in cells, 6 to 20"""
     max_steps_without_food: int | None = None
-    """steps without eating before the episode is truncated; None: grid_size**2, the steps a snake
-    needs to sweep the whole board, so a snake that circles the board methodically is never cut off"""
+    """steps without food before a truncation; None: grid_size**2, enough to sweep the whole board"""
 
 
 @dataclass(frozen=True)
@@ -64,9 +63,9 @@ class Config:
     """seed of the first run; seed i of --num-seeds uses seed + i"""
     num_seeds: int = 1
     """independent runs trained at once in one vmapped program"""
-    total_timesteps: int = 3_000_000
+    total_timesteps: int = 2_621_440
     """env steps per seed, all envs together (rounded down to whole chunks)"""
-    learning_rate: float = 5e-4
+    learning_rate: float = 2e-3
     """Adam step size"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over training"""
@@ -78,9 +77,9 @@ class Config:
     """discount factor"""
     gae_lambda: float = 0.95
     """lambda of generalised advantage estimation"""
-    num_minibatches: int = 4
+    num_minibatches: int = 32
     """minibatches per epoch; must divide num_envs * num_steps"""
-    update_epochs: int = 4
+    update_epochs: int = 2
     """passes over each rollout"""
     norm_adv: bool = True
     """normalise the advantages within each minibatch"""
@@ -94,7 +93,7 @@ class Config:
     """weight of the value loss"""
     max_grad_norm: float = 0.5
     """clip the gradient to this global norm (optax.clip_by_global_norm)"""
-    food_shaping: float = 0.0
+    food_shaping: float = 1.0
     """weight of a potential-based reward for moving towards the food (0: off); see food_potential"""
     network: Literal["conv", "transformer"] = "conv"
     """trunk under the policy and value heads: a small CNN over the board, or a transformer over its cells"""
@@ -102,15 +101,9 @@ class Config:
     """channels of the conv trunk's 3x3 convolutions, one number per layer"""
     hidden_size: int = 128
     """width of the dense ReLU layer on top of either trunk"""
-    embed_dim: int = 32
-    """token width of the transformer trunk"""
-    num_blocks: int = 2
-    """self-attention blocks of the transformer trunk"""
-    num_heads: int = 2
-    """attention heads per block of the transformer trunk; must divide --embed-dim"""
-    eval_episodes: int = 10
-    """greedy-policy episodes per seed in the final evaluation"""
-    log_every: int = 98_304
+    eval_episodes: int = 32
+    """greedy-policy episodes per seed in the final evaluation (a good snake's scores vary widely)"""
+    log_every: int = 65_536
     """env steps per chunk (whole iterations): one progress line and one metrics row per seed"""
     output_dir: str | None = None
     """where outputs go; None: runs/ppo_snake__<seed>__<unix time>"""
@@ -156,15 +149,13 @@ def validate(config: Config) -> None:
     hunger_limit = config.env.max_steps_without_food
     rules = [
         (">= 1", lambda value: value >= 1, ["num_seeds", "total_timesteps", "num_envs", "num_steps", "log_every",
-                                             "num_minibatches", "update_epochs", "hidden_size", "embed_dim",
-                                             "num_blocks", "num_heads", "eval_episodes"]),
+                                             "num_minibatches", "update_epochs", "hidden_size", "eval_episodes"]),
         ("> 0", lambda value: value > 0, ["learning_rate", "clip_coef", "max_grad_norm"]),
         (">= 0", lambda value: value >= 0, ["ent_coef", "vf_coef", "food_shaping"]),
         ("in (0, 1]", lambda value: 0 < value <= 1, ["gamma"]),
         ("in [0, 1]", lambda value: 0 <= value <= 1, ["gae_lambda"]),
         ("in [0, 2**31 - num_seeds)", lambda value: 0 <= value < 2**31 - config.num_seeds, ["seed"]),
         ("one or more counts >= 1", lambda value: len(value) > 0 and min(value) >= 1, ["conv_channels"]),
-        (f"a divisor of --embed-dim = {config.embed_dim}", lambda value: config.embed_dim % value == 0, ["num_heads"]),
     ]
     for allowed, holds, names in rules:
         for name in names:
@@ -181,10 +172,8 @@ def validate(config: Config) -> None:
     if size.num_chunks < 1 and not config.eval_only:
         raise UsageError(f"--total-timesteps must be at least one chunk, {size.chunk_steps} env steps (--log-every "
                          f"in whole iterations of {size.batch_size}), got {config.total_timesteps}")
-    if config.eval_only and config.load_model is None:
-        raise UsageError("--eval-only needs --load-model PATH")
-    if config.load_model is not None and not config.eval_only:
-        raise UsageError("--load-model is read by --eval-only; add --eval-only")
+    if config.eval_only != (config.load_model is not None):
+        raise UsageError("--eval-only and --load-model PATH go together (evaluate a checkpoint)")
     if config.num_seeds % jax.device_count():
         raise UsageError(f"--num-seeds must be a multiple of the {jax.device_count()} visible devices, "
                          f"over which the seeds are sharded; got {config.num_seeds}")
@@ -194,11 +183,9 @@ def validate(config: Config) -> None:
 
 
 def reverse_move_mask(obs: chex.Array) -> chex.Array:
-    """bool[..., 4]: True for the move back into the neck. envs.Snake turns that move into "keep
-    going" for a snake longer than one, so it would only double the chance of going straight;
-    masked, the policy chooses among three distinct moves (a snake of length one has no neck and
-    keeps all four). The neck is the head's neighbour of highest body recency (channel 1: head 1,
-    neck (length - 1) / length, ..., tail 1 / length; 0 off the body and off the board)."""
+    """bool[..., 4]: True for the move back into the neck, which envs.Snake turns into "keep going"
+    (for a snake longer than one): masked, the policy picks among three distinct moves. The neck
+    is the head's neighbour of highest body recency (channel 1: head 1, neck (length - 1) / length)."""
     head, recency = obs[..., 0], obs[..., 1]
     size = obs.shape[-2]
     padded = jnp.pad(recency, [(0, 0)] * (recency.ndim - 2) + [(1, 1), (1, 1)])
@@ -207,6 +194,21 @@ def reverse_move_mask(obs: chex.Array) -> chex.Array:
         for row, col in np.asarray(envs.SNAKE_MOVES)
     ], axis=-1)
     return (neighbour_recency == neighbour_recency.max(-1, keepdims=True)) & (neighbour_recency > 0)
+
+
+def orthogonal(gain: float) -> Callable:
+    """A Dense kernel initialiser: gain x a random orthogonal matrix, as flax's orthogonal (Huang et
+    al. 2022, detail 2), but the polar factor G (G^T G)^-1/2 of a Gaussian G by Newton-Schulz steps
+    instead of a QR: batched LAPACK QR, as vmap(init) over seeds makes it, can deadlock on CPU
+    (docs/ppo.md). Same distribution: uniform over the orthogonal matrices."""
+
+    def init(key: chex.PRNGKey, shape: Sequence[int], dtype: Any = jnp.float32) -> chex.Array:
+        gaussian = jax.random.normal(key, shape, dtype)
+        x = gaussian / jnp.linalg.norm(gaussian)  # singular values in (0, 1]
+        # A step maps each singular value s to s (3 - s^2) / 2: towards 1, x 1.5 while small.
+        return gain * jax.lax.fori_loop(0, 60, lambda _, x: 1.5 * x - 0.5 * x @ (x.T @ x), x)
+
+    return init
 
 
 def patches_3x3(x: chex.Array) -> chex.Array:
@@ -231,20 +233,21 @@ class ConvTrunk(nn.Module):
     def __call__(self, board: chex.Array) -> chex.Array:
         x = board
         for channels in self.channels:
-            x = nn.relu(nn.Dense(channels, kernel_init=nn.initializers.orthogonal(math.sqrt(2)))(patches_3x3(x)))
+            x = nn.relu(nn.Dense(channels, kernel_init=orthogonal(math.sqrt(2)))(patches_3x3(x)))
         x = x.reshape(*x.shape[:-3], -1)
-        return nn.relu(nn.Dense(self.hidden_size, kernel_init=nn.initializers.orthogonal(math.sqrt(2)))(x))
+        return nn.relu(nn.Dense(self.hidden_size, kernel_init=orthogonal(math.sqrt(2)))(x))
 
 
 class TransformerTrunk(nn.Module):
     """The cells as tokens: a linear embedding plus a learned position embedding, pre-norm
     self-attention blocks (Vaswani et al. 2017, the layer norms first as in Xiong et al. 2020),
-    the tokens mean-pooled into a dense ReLU layer."""
+    then the head's token into a dense ReLU layer: the head's view of the board, where a mean over
+    the cells would bury the few that matter among the empty ones (it did not learn at all)."""
 
-    embed_dim: int
-    num_blocks: int
-    num_heads: int
     hidden_size: int
+    embed_dim: int = 32
+    num_blocks: int = 2
+    num_heads: int = 2
 
     @nn.compact
     def __call__(self, board: chex.Array) -> chex.Array:
@@ -254,8 +257,8 @@ class TransformerTrunk(nn.Module):
         for _ in range(self.num_blocks):
             x = x + nn.MultiHeadDotProductAttention(self.num_heads)(nn.LayerNorm()(x))
             x = x + nn.Dense(self.embed_dim)(nn.gelu(nn.Dense(4 * self.embed_dim)(nn.LayerNorm()(x))))
-        pooled = nn.LayerNorm()(x).mean(axis=-2)
-        return nn.relu(nn.Dense(self.hidden_size, kernel_init=nn.initializers.orthogonal(math.sqrt(2)))(pooled))
+        head_token = jnp.einsum("...t,...te->...e", tokens[..., 0], nn.LayerNorm()(x))  # channel 0: the head
+        return nn.relu(nn.Dense(self.hidden_size, kernel_init=orthogonal(math.sqrt(2)))(head_token))
 
 
 class ActorCritic(nn.Module):
@@ -270,16 +273,15 @@ class ActorCritic(nn.Module):
         # A channel of ones marks the board, so that the zero padding beyond it reads as wall.
         features = self.trunk(jnp.concatenate([obs, jnp.ones_like(obs[..., :1])], axis=-1))
         # Head gains 0.01 (a near-uniform first policy) and 1 (Huang et al. 2022, detail 2).
-        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(features)
+        logits = nn.Dense(self.num_actions, kernel_init=orthogonal(0.01))(features)
         logits = jnp.where(reverse_move_mask(obs), -1e9, logits)  # finite: 0 * log-prob stays 0 in the entropy
-        return logits, nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(features)[..., 0]
+        return logits, nn.Dense(1, kernel_init=orthogonal(1.0))(features)[..., 0]
 
 
 def make_network(config: Config, num_actions: int) -> ActorCritic:
     if config.network == "conv":
         return ActorCritic(ConvTrunk(tuple(config.conv_channels), config.hidden_size), num_actions)
-    return ActorCritic(TransformerTrunk(config.embed_dim, config.num_blocks, config.num_heads, config.hidden_size),
-                       num_actions)
+    return ActorCritic(TransformerTrunk(config.hidden_size), num_actions)
 
 
 def categorical_log_prob(logits: chex.Array, action: chex.Array) -> chex.Array:
@@ -465,8 +467,8 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
         return jax.lax.scan(update_minibatch, carry, jax.tree.map(lambda x: x[indices], batch))
 
     def run_iteration(state: TrainState, _) -> tuple[TrainState, dict]:
-        """Collect one rollout, compute advantages, then update_epochs x num_minibatches steps."""
-        # One split per iteration: on CPU every random-draw site is costly code to compile.
+        # One rollout, GAE, then update_epochs x num_minibatches steps. One key split per
+        # iteration: on CPU every random-draw site is costly code to compile.
         key, key_actions, key_envs, key_minibatches = jax.random.split(state.key, 4)
         state, transitions = rollout(state, key_actions, key_envs)
         chex.assert_shape(transitions.reward, (config.num_steps, config.num_envs))
@@ -603,7 +605,7 @@ def plot_curves(path: Path, rows: list[dict]) -> None:
 
 
 def write_gif(path: Path, config: Config, params: dict, key: chex.PRNGKey, num_boards: int = 4,
-              num_frames: int = 300) -> None:
+              num_frames: int = 200) -> None:
     """The greedy policy on `num_boards` boards side by side for `num_frames` steps, drawn by the
     env's own renderer; a board whose game ends starts a new one. Unlike CartPole's, the GIF
     replays no evaluation episode: a good snake's episodes are too long to keep every state."""
@@ -612,7 +614,7 @@ def write_gif(path: Path, config: Config, params: dict, key: chex.PRNGKey, num_b
     env, env_params = make_env(config)
     network = make_network(config, env.num_actions)
     step_envs = jax.vmap(env.step, in_axes=(0, 0, 0, None))
-    cell_pixels = max(4, 160 // config.env.grid_size)  # about 160 pixels a board, whatever its size
+    cell_pixels = max(4, 120 // config.env.grid_size)  # about 120 pixels a board, whatever its size
 
     def frame(carry, frame_key):
         obs, env_state = carry
@@ -737,14 +739,12 @@ def main(config: Config) -> None:
           + (f" ± {scores.std():.2f} (min {scores.min():.2f})" if config.num_seeds > 1 else "")
           + f", best game {episodes['score'].max()}, wins {episodes['won'].mean():.1%}, "
           f"length {per_seed['episode_length'].mean():.0f} steps", flush=True)
-    summary = dict(final_returns=per_seed["episode_return"].tolist(),
-                   final_return_mean=float(per_seed["episode_return"].mean()),
-                   final_return_std=float(per_seed["episode_return"].std()), final_scores=scores.tolist(),
-                   final_score_mean=float(scores.mean()), final_score_std=float(scores.std()),
-                   final_win_fraction=float(episodes["won"].mean()),
-                   final_episode_length_mean=float(per_seed["episode_length"].mean()), **summary,
-                   num_seeds=config.num_seeds, num_envs=config.num_envs, eval_episodes=config.eval_episodes,
-                   device=device)
+    for name, values in [("return", per_seed["episode_return"]), ("score", scores)]:  # per seed
+        summary |= {f"final_{name}s": values.tolist(), f"final_{name}_mean": float(values.mean()),
+                    f"final_{name}_std": float(values.std())}
+    summary |= dict(final_win_fraction=float(episodes["won"].mean()), num_seeds=config.num_seeds,
+                    final_episode_length_mean=float(per_seed["episode_length"].mean()), num_envs=config.num_envs,
+                    eval_episodes=config.eval_episodes, device=device)
     write_atomic(out / "summary.json", lambda temporary: temporary.write_text(json.dumps(summary, indent=2)))
     if config.plot and not config.eval_only:
         plot_curves(out / "curves.png", rows)

@@ -116,6 +116,23 @@ def test_policy_starts_near_uniform_and_never_chooses_the_reverse_move(random_pl
     assert confident.max(-1).mean() > 0.5
 
 
+def test_init_is_orthogonal_with_the_gains_of_huang_et_al_under_vmap():
+    """Every conv-trunk kernel is gain x orthogonal, two seeds initialised in one vmapped call
+    (where a QR-based initialiser could deadlock on CPU); the seeds differ; the biases are zero."""
+    net = ppo.make_network(ppo.Config(), 4)
+    params = jax.jit(jax.vmap(net.init, in_axes=(0, None)))(jax.random.split(jax.random.key(0), 2),
+                                                             jnp.zeros((10, 10, 3)))["params"]
+    gains = {("trunk", "Dense_0"): np.sqrt(2), ("trunk", "Dense_1"): np.sqrt(2), ("trunk", "Dense_2"): np.sqrt(2),
+             ("Dense_0",): 0.01, ("Dense_1",): 1.0}  # the trunk's two convolutions and dense layer, the heads
+    for path, gain in gains.items():
+        layer = params[path[0]][path[1]] if len(path) == 2 else params[path[0]]
+        assert not np.allclose(layer["kernel"][0], layer["kernel"][1])
+        for kernel in np.asarray(layer["kernel"]) / gain:
+            gram = kernel.T @ kernel if kernel.shape[0] >= kernel.shape[1] else kernel @ kernel.T
+            np.testing.assert_allclose(gram, np.eye(len(gram)), atol=1e-5, err_msg=str(path))
+        np.testing.assert_array_equal(layer["bias"], 0.0)
+
+
 # ---- the pure core: seeds and determinism ---------------------------------------------------
 
 
@@ -162,7 +179,6 @@ def test_score_counts_food(tiny_runs):
     (dict(env=ppo.EnvConfig(max_steps_without_food=0)), "--env.max-steps-without-food"),
     (dict(conv_channels=()), "--conv-channels"),
     (dict(conv_channels=(8, 0)), "--conv-channels"),
-    (dict(num_heads=3), "--num-heads"),
     (dict(num_envs=0), "--num-envs"),
     (dict(learning_rate=0.0), "--learning-rate"),
     (dict(gamma=0.0), "--gamma"),
@@ -185,7 +201,7 @@ def test_help_lists_every_option():
                  "--gamma", "--gae-lambda", "--num-minibatches", "--update-epochs", "--clip-coef", "--ent-coef",
                  "--vf-coef", "--max-grad-norm", "--num-seeds", "--output-dir", "--no-save-model", "--no-capture-gif",
                  "--no-plot", "--eval-episodes", "--log-every", "--load-model", "--eval-only", "--network",
-                 "--conv-channels", "--embed-dim", "--env.grid-size", "--env.max-steps-without-food"]:
+                 "--conv-channels", "--env.grid-size", "--env.max-steps-without-food"]:
         assert flag in result.stdout, flag
 
 
@@ -270,3 +286,28 @@ def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path):
     assert result.returncode == 1
     assert "non-finite" in result.stderr and "chunk 1, seed 0" in result.stderr
     assert (tmp_path / "metrics.csv").exists()
+
+
+# ---- learning -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_short_run_learns_to_eat():
+    """Two seeds, 163,840 env steps each on a 6x6 board with a small CNN (about 20 s on 2 CPU
+    cores). Measured for seeds 0-7 (pairs through this same code): random play scores 0.14-0.18
+    food per episode in the first chunk; the greedy policy after training 2.85-7.05 per seed
+    (20 episodes; seeds 0 and 1: 7.05 and 5.9), the training episodes of the last 32,768 steps
+    6.2-8.5. The bars: under 0.6 at first, then 3.0 in training and 1.5 greedy."""
+    config = dataclasses.replace(
+        ppo.Config(), num_seeds=2, env=ppo.EnvConfig(grid_size=6), conv_channels=(8, 16), hidden_size=64,
+        num_envs=32, num_steps=64, num_minibatches=8, update_epochs=2, learning_rate=2e-3, food_shaping=1.0,
+        total_timesteps=163_840, log_every=16_384, eval_episodes=20)
+    _, _, train = ppo.make_train(config)
+    keys = ppo.seed_keys(config)
+    state, metrics = jax.jit(jax.vmap(train))(keys)
+    evaluate = jax.jit(jax.vmap(ppo.make_evaluate(config)))
+    episodes = evaluate(state.params, jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys))
+    scores = np.asarray(metrics["score"])  # [seeds, chunks]
+    assert scores.shape == (2, 10) and scores[:, 0].max() < 0.6  # it starts out as random play
+    assert scores[:, -2:].mean(axis=1).min() >= 3.0
+    assert np.asarray(episodes["score"]).mean(axis=1).min() >= 1.5
