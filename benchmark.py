@@ -451,7 +451,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--iterations",
         type=int,
         default=None,
-        help="iterations per timed chunk (default 64, 16 with --quick; PPO: 8, 2 with --quick)",
+        help="iterations per timed chunk (default 64, 16 with --quick; PPO: 8, 2 with --quick; ppo_snake: 4, 1)",
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed chunks per measurement; the median is reported")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter chunks, 3 repeats")
@@ -462,6 +462,8 @@ def iterations_for(script: str, args: argparse.Namespace) -> int:
         return args.iterations
     if script.startswith("sac"):
         return 16 if args.quick else 64
+    if script == "ppo_snake":  # a board-sized network: an iteration costs ~20x a CartPole one on CPU
+        return 1 if args.quick else 4
     return 2 if args.quick else 8
 
 
@@ -514,19 +516,32 @@ def run_train(args: argparse.Namespace) -> list[dict]:
 
 def add_seeds_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="which scripts (default: all)")
-    parser.add_argument("--seeds", type=int, nargs="+", help="vmapped seed counts (default 1 4 16 64; --quick 1 4 16)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="vmapped seed counts (default 1 4 16 64; --quick 1 4 16; ppo_snake on CPU: one count fewer)",
+    )
     parser.add_argument("--iterations", type=int, default=None, help="iterations per timed chunk (default as train)")
     parser.add_argument("--repeats", type=int, default=5, help="timed chunks per measurement; the median is reported")
     parser.add_argument("--quick", action="store_true", help="fewer seed counts, shorter chunks, 3 repeats")
 
 
+def seed_counts(script: str, args: argparse.Namespace, gpu: bool) -> list[int]:
+    if args.seeds:
+        return args.seeds
+    counts = [1, 4, 16] if args.quick else [1, 4, 16, 64]
+    # ppo_snake's CPU chunk at 16 seeds is minutes long: on a CPU its counts stop one earlier.
+    return counts[:-1] if script == "ppo_snake" and not gpu else counts
+
+
 def run_seeds(args: argparse.Namespace) -> list[dict]:
-    repeats, seed_counts = repeats_for(args), args.seeds or ([1, 4, 16] if args.quick else [1, 4, 16, 64])
+    repeats, gpu = repeats_for(args), jax.devices()[0].platform != "cpu"
     print(f"seed scaling on {device_label()}, jax {jax.__version__}, median of {repeats} chunks, default num_envs")
     rows = []
     for script in args.scripts:
         iterations, one_seed = iterations_for(script, args), None
-        for num_seeds in seed_counts:
+        for num_seeds in seed_counts(script, args, gpu):
             num_envs = importlib.import_module(script).Config().num_envs  # the script's default, per seed
             runner = chunk_runner(script, num_envs, iterations, num_seeds)
             median = statistics.median(time_chunks(runner, repeats))
@@ -710,7 +725,12 @@ def add_all_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the short version of every benchmark")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
     parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="scripts for train and seeds")
-    parser.add_argument("--seeds", type=int, nargs="+", help="vmapped seed counts (default 1 4 16 64; --quick 1 4 16)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="vmapped seed counts (default 1 4 16 64; --quick 1 4 16; ppo_snake on CPU: one count fewer)",
+    )
     parser.add_argument("--iterations", type=int, default=None, help="iterations per timed chunk (train, seeds)")
     add_solve_arguments(parser)
 
