@@ -514,14 +514,12 @@ def run_train(args: argparse.Namespace) -> list[dict]:
     return stamp(rows)
 
 
+SEEDS_HELP = "vmapped seed counts (default 1 4 16 64; --quick 1 4 16; ppo_snake on CPU: one count fewer)"
+
+
 def add_seeds_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="which scripts (default: all)")
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        nargs="+",
-        help="vmapped seed counts (default 1 4 16 64; --quick 1 4 16; ppo_snake on CPU: one count fewer)",
-    )
+    parser.add_argument("--seeds", type=int, nargs="+", help=SEEDS_HELP)
     parser.add_argument("--iterations", type=int, default=None, help="iterations per timed chunk (default as train)")
     parser.add_argument("--repeats", type=int, default=5, help="timed chunks per measurement; the median is reported")
     parser.add_argument("--quick", action="store_true", help="fewer seed counts, shorter chunks, 3 repeats")
@@ -725,12 +723,7 @@ def add_all_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the short version of every benchmark")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
     parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="scripts for train and seeds")
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        nargs="+",
-        help="vmapped seed counts (default 1 4 16 64; --quick 1 4 16; ppo_snake on CPU: one count fewer)",
-    )
+    parser.add_argument("--seeds", type=int, nargs="+", help=SEEDS_HELP)
     parser.add_argument("--iterations", type=int, default=None, help="iterations per timed chunk (train, seeds)")
     add_solve_arguments(parser)
 

@@ -222,9 +222,10 @@ def patches_3x3(x: chex.Array) -> chex.Array:
 class ConvTrunk(nn.Module):
     """3x3 'same' convolutions with ReLU, flattened into a dense ReLU layer (the shape of Mnih et
     al. 2015's Atari network, sized for a small board; the dense layer knows where each cell is).
-    Each convolution is a dense layer on 3x3 patches: nn.Conv's function, but its gradient is a
-    matrix product, where XLA's CPU backend computes a convolution's weight gradient about 8x
-    slower (measured on 2 CPU cores: 5.5 s against 0.7 s per PPO iteration of 1,024 steps)."""
+    Each convolution is a dense layer on 3x3 patches: nn.Conv's function, but a batched matrix
+    product under vmap over seeds, where nn.Conv becomes a grouped convolution whose gradient XLA's
+    CPU backend computes 3.3x slower (2 seeds, 2 cores: 576 against 176 ms per seed and 2,048
+    samples). For one seed alone nn.Conv would be faster (docs/ppo.md)."""
 
     channels: Sequence[int]
     hidden_size: int
@@ -242,7 +243,7 @@ class TransformerTrunk(nn.Module):
     """The cells as tokens: a linear embedding plus a learned position embedding, pre-norm
     self-attention blocks (Vaswani et al. 2017, the layer norms first as in Xiong et al. 2020),
     then the head's token into a dense ReLU layer: the head's view of the board, where a mean over
-    the cells would bury the few that matter among the empty ones (it did not learn at all)."""
+    the cells would bury the few that matter among the empty ones."""
 
     hidden_size: int
     embed_dim: int = 32
