@@ -8,6 +8,7 @@ ppo_cartpole.py's loop with a board-sized network, as CleanRL's ppo_atari.py is 
     python ppo_snake.py --eval-only --load-model runs/<run>/model.msgpack
 """
 
+import contextlib
 import csv
 import dataclasses
 import io
@@ -123,6 +124,25 @@ class Config:
 
 class UsageError(Exception):
     """A user error: reported as one line, exit status 2, no traceback."""
+
+
+def parse_config(args: Sequence[str] | None = None) -> Config:
+    """tyro.cli, with tyro's boxed parse errors reduced to one line (exit status 2)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return tyro.cli(Config, args=args, description=__doc__.splitlines()[0])
+    except SystemExit as exit_:
+        if exit_.code:  # not --help: the message under the box's title, wrapped lines joined, up to a rule
+            texts = [line.strip().strip("│|").strip() for line in captured.getvalue().splitlines()]
+            message = []  # a box in UTF-8, or ASCII rules without one: title, rule(s), message, rule
+            for text in texts[1:]:
+                if text.strip("─-+╭╮╰╯ "):
+                    message.append(text)
+                elif message:
+                    break
+            print(f"{SCRIPT}.py: error: {' '.join(message) or 'bad arguments'} (see --help)", file=sys.stderr)
+        raise
 
 
 class Sizes(NamedTuple):  # the counts that follow from the config
@@ -756,4 +776,4 @@ def main(config: Config) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Config))
+    main(parse_config())

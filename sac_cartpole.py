@@ -180,9 +180,15 @@ def parse_config(args: Sequence[str] | None = None) -> Config:
         with contextlib.redirect_stderr(captured):
             return tyro.cli(Config, args=args, default=default, description=__doc__.splitlines()[0])
     except SystemExit as exit_:
-        lines = [text for line in captured.getvalue().splitlines() if (text := line.strip("│╭╮╰╯─ ")).strip("-")]
-        if exit_.code:  # not --help; the box's title (UTF-8 or ASCII rules dropped), then its message
-            print(f"{SCRIPT}.py: error: {(lines[1:] or ['bad arguments'])[0]} (see --help)", file=sys.stderr)
+        if exit_.code:  # not --help: the message under the box's title, wrapped lines joined, up to a rule
+            texts = [line.strip().strip("│|").strip() for line in captured.getvalue().splitlines()]
+            message = []  # a box in UTF-8, or ASCII rules without one: title, rule(s), message, rule
+            for text in texts[1:]:
+                if text.strip("─-+╭╮╰╯ "):
+                    message.append(text)
+                elif message:
+                    break
+            print(f"{SCRIPT}.py: error: {' '.join(message) or 'bad arguments'} (see --help)", file=sys.stderr)
         raise
 
 

@@ -205,6 +205,18 @@ def test_help_lists_every_option():
         assert flag in result.stdout, flag
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--grid-size", "8"], "--grid-size"),  # the flag is --env.grid-size
+    (["--network", "mlp"], "--network"),
+    (["--num-envs", "many"], "--num-envs"),
+])
+def test_parse_errors_are_one_line_and_exit_2(flags, words):
+    result = run_script(*flags)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("ppo_snake.py: error:"), result.stderr
+    assert words in result.stderr or "argument" in result.stderr.lower(), result.stderr
+
+
 def test_grid_size_out_of_range_is_one_line_and_exit_2(capsys):
     result = run_script("--env.grid-size", "21")
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -162,6 +162,7 @@ def test_help_lists_every_option_with_the_task_defaults():
     (["--gamma", "1.5"], "--gamma"),
     (["--env.masspole", "0"], "--env.masspole"),
     (["--env-id", "CartPole-v1"], "--env-id"),
+    (["--env-id", "CartPole-v1"], "'CartPoleSwingup')"),  # tyro's message wraps: the whole of it, on one line
     (["--eval-only"], "--load-model"),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, names):
