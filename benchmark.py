@@ -5,7 +5,7 @@
     python benchmark.py train                      # each script's env steps/s and updates/s across num-envs
     python benchmark.py seeds                      # wall time of 1, 4, 16, 64 vmapped seeds per script
     python benchmark.py solve                      # each script's default run: seconds to the solved bar
-    python benchmark.py all --quick                # all four, short (~10 minutes on 2 CPU cores)
+    python benchmark.py all --quick                # all four, short (4-5 minutes on an idle 2-core CPU)
 
 `envs` steps every env of envs.py with random actions drawn on device and auto-reset on, as a
 jitted `lax.scan` over a batch of `num_envs` envs. When gymnax (CartPole-v1, Pendulum-v1) or
@@ -16,7 +16,6 @@ optional: they are not in requirements*.txt.
 Results are merged into docs/benchmarks.json: one row per measurement, keyed by
 (benchmark, library, env, num_envs, device), so other benchmarks add their own rows; `envs`
 also draws docs/benchmark_envs.png.
-Each subcommand is one entry of SUBCOMMANDS: a function that adds its arguments and one that runs.
 """
 
 import argparse

@@ -117,7 +117,8 @@ class Config:
     load_model: str | None = None
     """model.msgpack to evaluate with --eval-only"""
     eval_only: bool = False
-    """evaluate (and render) the --load-model checkpoint instead of training"""
+    """evaluate (and render) the --load-model checkpoint instead of training, with the checkpoint's own config
+    (board, network, seeds): only --eval-episodes, --output-dir and --capture-gif apply"""
     env: EnvConfig = EnvConfig()
     """Snake's board"""
 
@@ -742,8 +743,9 @@ def main(config: Config) -> None:
     print(f"{SCRIPT}: {ENV_ID} {env_params.grid_size}x{env_params.grid_size} (truncated after "
           f"{env_params.max_steps_without_food} steps without food), {config.network} network, on {device}, "
           f"{config.num_seeds} seed(s) x {config.num_envs} envs"
-          + ("" if config.eval_only else f", {size.num_iterations} iterations of {size.batch_size} steps in "
-             f"{size.num_chunks} chunks ({size.env_steps:,} env steps per seed)") + f"; outputs in {out}", flush=True)
+          + (" (all from the checkpoint)" if config.eval_only else f", {size.num_iterations} iterations of "
+             f"{size.batch_size} steps in {size.num_chunks} chunks ({size.env_steps:,} env steps per seed)")
+          + f"; outputs in {out}", flush=True)
     summary: dict[str, Any] = dict(eval_only=config.eval_only)
     if not config.eval_only:
         params, train_summary, rows = train_with_progress(config, sharding, out)
