@@ -142,7 +142,9 @@ def parse_config(args: Sequence[str] | None = None) -> Config:
                     message.append(text)
                 elif message:
                     break
-            print(f"{SCRIPT}.py: error: {' '.join(message) or 'bad arguments'} (see --help)", file=sys.stderr)
+            hints = [texts[i + 1] for i, text in enumerate(texts[:-1]) if text == "Perhaps you meant:"]  # a typo
+            hint = f"; perhaps you meant {hints[0]}" if hints else ""
+            print(f"{SCRIPT}.py: error: {' '.join(message) or 'bad arguments'}{hint} (see --help)", file=sys.stderr)
         raise
 
 

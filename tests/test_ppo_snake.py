@@ -206,7 +206,7 @@ def test_help_lists_every_option():
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--grid-size", "8"], "--grid-size"),  # the flag is --env.grid-size
+    (["--grid-size", "8"], "perhaps you meant --env.grid-size"),  # tyro's suggestion for a typo, kept
     (["--network", "mlp"], "--network"),
     (["--num-envs", "many"], "--num-envs"),
 ])

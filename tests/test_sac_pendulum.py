@@ -226,6 +226,7 @@ def test_help_lists_every_option():
     (["--eval-only"], "--load-model"),
     (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
     (["--no-such-flag", "3"], "--no-such-flag"),
+    (["--num-envz", "3"], "perhaps you meant --num-envs"),
     (["--num-envs", "many"], "--num-envs"),
     (["--env.no-such-option", "1"], "--env.no-such-option"),
 ])
