@@ -608,7 +608,7 @@ def load_checkpoint(config: Config) -> tuple[Config, dict]:
     return config, payload["params"]
 
 
-def plot_curves(path: Path, rows: list[dict]) -> None:
+def plot_curves(path: Path, rows: list[dict], grid_size: int) -> None:
     """Score, return, length, win rate and losses against env steps: the mean over seeds and the
     min-max band."""
     from matplotlib.figure import Figure  # imported here: only this output needs it, and it is slow to import
@@ -624,7 +624,7 @@ def plot_curves(path: Path, rows: list[dict]) -> None:
         ax.fill_between(steps, np.nanmin(values, axis=0), np.nanmax(values, axis=0), alpha=0.25)
         ax.set(title=name, xlabel="env steps")
         ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    fig.suptitle(f"PPO on {ENV_ID}, {len(seeds)} seed(s)")
+    fig.suptitle(f"PPO on {ENV_ID} {grid_size}x{grid_size}, {len(seeds)} seed(s)")
     write_atomic(path, lambda temporary: fig.savefig(temporary, format="png", dpi=90))
 
 
@@ -772,7 +772,7 @@ def main(config: Config) -> None:
                     eval_episodes=config.eval_episodes, device=device)
     write_atomic(out / "summary.json", lambda temporary: temporary.write_text(json.dumps(summary, indent=2)))
     if config.plot and not config.eval_only:
-        plot_curves(out / "curves.png", rows)
+        plot_curves(out / "curves.png", rows, config.env.grid_size)
     if config.capture_gif:
         write_gif(out / "policy.gif", config, jax.device_get(jax.tree.map(lambda x: x[0], params)),
                   jax.random.key(config.seed))
