@@ -329,6 +329,7 @@ class Transition:  # one rollout step of every env; [num_steps, num_envs, ...] a
     obs: chex.Array
     action: chex.Array
     log_prob: chex.Array
+    value: chex.Array  # the critic's, from the same forward pass as the action (one shared trunk)
     reward: chex.Array
     terminated: chex.Array
     truncated: chex.Array
@@ -457,11 +458,11 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
         def env_step(carry, noise_and_keys):
             env_state, obs = carry
             noise, keys = noise_and_keys
-            logits, _ = network.apply(state.params, obs)  # XLA drops the unused value head
+            logits, value = network.apply(state.params, obs)
             action = jnp.argmax(logits + noise, axis=-1)
             next_obs, env_state, reward, terminated, truncated, info = step_envs(keys, env_state, action, env_params)
             transition = Transition(
-                obs, action, categorical_log_prob(logits, action), reward, terminated, truncated, info["won"],
+                obs, action, categorical_log_prob(logits, action), value, reward, terminated, truncated, info["won"],
                 info["final_observation"], info["returned_episode"], info["episode_return"], info["episode_length"])
             return (env_state, next_obs), transition
 
@@ -496,13 +497,12 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
         key, key_actions, key_envs, key_minibatches = jax.random.split(state.key, 4)
         state, transitions = rollout(state, key_actions, key_envs)
         chex.assert_shape(transitions.reward, (config.num_steps, config.num_envs))
-        _, values = network.apply(state.params, transitions.obs)  # XLA drops the unused policy head
         _, next_values = network.apply(state.params, transitions.final_obs)
         shaping = config.gamma * food_potential(transitions.final_obs) * (1.0 - transitions.terminated)
         rewards = transitions.reward + config.food_shaping * (shaping - food_potential(transitions.obs))
-        advantages, targets = compute_gae(rewards, values, next_values, transitions.terminated,
+        advantages, targets = compute_gae(rewards, transitions.value, next_values, transitions.terminated,
                                           transitions.truncated, config.gamma, config.gae_lambda)
-        batch = Batch(transitions.obs, transitions.action, transitions.log_prob, values, advantages, targets)
+        batch = Batch(transitions.obs, transitions.action, transitions.log_prob, transitions.value, advantages, targets)
         batch = jax.tree.map(lambda x: x.reshape(size.batch_size, *x.shape[2:]), batch)
         indices = minibatch_indices(key_minibatches, config.update_epochs, size.batch_size, config.num_minibatches)
         (params, opt_state), losses = jax.lax.scan(partial(update_epoch, batch), (state.params, state.opt_state),
