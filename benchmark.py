@@ -695,16 +695,28 @@ def stamp(rows: list[dict]) -> list[dict]:
 def plot_script_rows(
     rows: list[dict], x: str, y: str, xlabel: str, ylabel: str, title: str, args: argparse.Namespace, filename: str
 ) -> None:
-    """One line per script of `y` against `x`, next to the JSON file (skipped with --no-save)."""
+    """One line per script of `y` against `x`, next to the JSON file (skipped with --no-save). The
+    other scripts' rows of this benchmark and device come from the JSON, so that measuring some
+    scripts again keeps the rest of the plot."""
     if args.no_save or not rows:
         return
+    if os.path.exists(args.output):
+        with open(args.output) as file:
+            measured = {row["library"] for row in rows}
+            rows = [
+                row
+                for row in json.load(file)["rows"]
+                if row["benchmark"] == rows[0]["benchmark"]
+                and row.get("device") == device_label()
+                and row["library"] not in measured
+            ] + rows
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for script in dict.fromkeys(row["library"] for row in rows):
+    for script in [script for script in SCRIPTS if any(row["library"] == script for row in rows)]:
         points = sorted((row[x], row[y]) for row in rows if row["library"] == script and row[y] is not None)
         axes.plot(*zip(*points, strict=True), "-o", label=script)
     axes.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=f"{title}, {device_label()}")
