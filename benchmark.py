@@ -65,7 +65,9 @@ def merge_rows(path: str, rows: list[dict], key_fields: tuple[str, ...]) -> None
         with open(path) as file:
             existing = json.load(file)["rows"]
     new_keys = {tuple(row.get(field) for field in key_fields) for row in rows}
-    kept = [row for row in existing if tuple(row.get(field) for field in key_fields) not in new_keys]
+    kept = [
+        row for row in existing if tuple(row.get(field) for field in key_fields) not in new_keys
+    ]
     description = "Benchmark rows; see docs/benchmarks.md for the method of each benchmark."
     # One row per line, so that a diff shows which measurements changed.
     text = f'{{"description": {json.dumps(description)}, "rows": [\n'
@@ -108,10 +110,14 @@ def random_actions(key: jax.Array, action_space: Any, shape: tuple[int, ...]) ->
     otherwise), which hashes half as much as `jax.random.randint`."""
     if hasattr(action_space, "n"):
         return (jax.random.bits(key, shape) % action_space.n).astype(jnp.int32)
-    return jax.random.uniform(key, shape + action_space.shape, jnp.float32, action_space.low, action_space.high)
+    return jax.random.uniform(
+        key, shape + action_space.shape, jnp.float32, action_space.low, action_space.high
+    )
 
 
-def gymnax_style_vector_env(library: str, label: str, env: Any, params: Any, num_envs: int) -> VectorEnv:
+def gymnax_style_vector_env(
+    library: str, label: str, env: Any, params: Any, num_envs: int
+) -> VectorEnv:
     """envs.py and gymnax share the API: reset(key, params), step(key, state, action, params)."""
     action_space = env.action_space(params)
     reset = jax.vmap(env.reset, in_axes=(0, None))
@@ -226,7 +232,9 @@ def time_side_by_side(vector_envs: list[VectorEnv], num_steps: int, repeats: int
             if repeat > 0:
                 seconds[index].append(time.perf_counter() - start)
     rows = []
-    for vector_env, (_, _, compile_seconds), runs in zip(vector_envs, compiled, seconds, strict=True):
+    for vector_env, (_, _, compile_seconds), runs in zip(
+        vector_envs, compiled, seconds, strict=True
+    ):
         env_steps = vector_env.num_envs * num_steps
         row = {
             "library": vector_env.library,
@@ -265,7 +273,9 @@ def env_groups(names: list[str], num_envs: int, with_references: bool) -> list[l
 def env_table(rows: list[dict]) -> str:
     """Ours next to the reference, one line per env and size."""
     by_key = {(row["library"], row["env"], row["num_envs"]): row for row in rows}
-    lines = [f"{'env':<20}{'num_envs':>9}{'ours steps/s':>15}{'reference':>10}{'ref steps/s':>15}{'ours/ref':>9}"]
+    lines = [
+        f"{'env':<20}{'num_envs':>9}{'ours steps/s':>15}{'reference':>10}{'ref steps/s':>15}{'ours/ref':>9}"
+    ]
     for row in rows:
         if row["library"] != "ours":
             continue
@@ -287,9 +297,13 @@ def plot_env_rows(rows: list[dict], path: str, device: str) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
     env_names = sorted({row["env"] for row in rows})
-    for library, env in sorted({(row["library"], row["env"]) for row in rows}, key=lambda pair: (pair[1], pair[0])):
+    for library, env in sorted(
+        {(row["library"], row["env"]) for row in rows}, key=lambda pair: (pair[1], pair[0])
+    ):
         points = sorted(
-            (row["num_envs"], row["steps_per_second"]) for row in rows if (row["library"], row["env"]) == (library, env)
+            (row["num_envs"], row["steps_per_second"])
+            for row in rows
+            if (row["library"], row["env"]) == (library, env)
         )
         style = "-o" if library == "ours" else "--s"
         color = f"C{env_names.index(env) % 10}"
@@ -318,10 +332,16 @@ def add_envs_arguments(parser: argparse.ArgumentParser) -> None:
         default=[1, 256, 4096, 65536] + ([2**20] if gpu else []),
         help="batch sizes to measure (default 1 256 4096 65536, and 2^20 on a GPU)",
     )
-    parser.add_argument("--envs", nargs="+", default=ENV_NAMES, choices=ENV_NAMES, help="which envs (default: all)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
+    parser.add_argument(
+        "--envs", nargs="+", default=ENV_NAMES, choices=ENV_NAMES, help="which envs (default: all)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed runs per measurement; the median is reported"
+    )
     parser.add_argument("--quick", action="store_true", help="8x fewer env steps per timed run")
-    parser.add_argument("--no-reference", action="store_true", help="skip gymnax and jumanji even when importable")
+    parser.add_argument(
+        "--no-reference", action="store_true", help="skip gymnax and jumanji even when importable"
+    )
 
 
 def run_envs(args: argparse.Namespace) -> list[dict]:
@@ -335,7 +355,11 @@ def run_envs(args: argparse.Namespace) -> list[dict]:
         for group in env_groups(args.envs, num_envs, not args.no_reference):
             measured = time_side_by_side(group, num_steps, args.repeats)
             for row in measured:
-                ratio = f", {row['ratio_to_reference']:.2f}x {row['reference']}" if "reference" in row else ""
+                ratio = (
+                    f", {row['ratio_to_reference']:.2f}x {row['reference']}"
+                    if "reference" in row
+                    else ""
+                )
                 print(
                     f"  {row['library']:>8} {row['env']:<20}{num_envs:>8} envs: {row['steps_per_second']:>14,} steps/s"
                     f" (compile {row['compile_seconds']:.2f} s{ratio})",
@@ -390,25 +414,36 @@ def chunk_runner(script: str, num_envs: int, iterations: int, num_seeds: int) ->
     `iterations` env-vector steps (SAC) or rollout-and-update iterations (PPO) per chunk."""
     module = importlib.import_module(script)
     config = module.Config()
-    sac = hasattr(module, "chunk_counts")  # SAC: run_chunk(state, chunk index); PPO: run_chunk(state)
+    sac = hasattr(
+        module, "chunk_counts"
+    )  # SAC: run_chunk(state, chunk index); PPO: run_chunk(state)
     per_iteration = num_envs if sac else num_envs * config.num_steps
     steps = per_iteration * iterations
-    warmup_chunks = -(-config.learning_starts // steps) + 1 if sac else 1  # the SAC warm-up, then one more
+    warmup_chunks = (
+        -(-config.learning_starts // steps) + 1 if sac else 1
+    )  # the SAC warm-up, then one more
     overrides = dict(
-        num_envs=num_envs, num_seeds=num_seeds, log_every=steps, total_timesteps=steps * (warmup_chunks + 1)
+        num_envs=num_envs,
+        num_seeds=num_seeds,
+        log_every=steps,
+        total_timesteps=steps * (warmup_chunks + 1),
     )
     if sac:
         overrides["buffer_size"] = max(config.buffer_size, num_envs)
     config = dataclasses.replace(config, **overrides)
     module.validate(config)  # a size the script itself would refuse is a usage error here too
-    updates = iterations * (config.updates_per_step if sac else config.update_epochs * config.num_minibatches)
+    updates = iterations * (
+        config.updates_per_step if sac else config.update_epochs * config.num_minibatches
+    )
     init, run_chunk, _ = module.make_train(config)
     keys = jax.vmap(jax.random.key)(jnp.arange(num_seeds))
     state = jax.block_until_ready(jax.jit(jax.vmap(init))(keys))
     start = time.perf_counter()
     if sac:
         compiled = (
-            jax.jit(jax.vmap(run_chunk, in_axes=(0, None)), donate_argnums=0).lower(state, jnp.int32(0)).compile()
+            jax.jit(jax.vmap(run_chunk, in_axes=(0, None)), donate_argnums=0)
+            .lower(state, jnp.int32(0))
+            .compile()
         )
         run = lambda state, chunk: compiled(state, jnp.int32(chunk))  # noqa: E731
     else:
@@ -439,7 +474,13 @@ def train_sizes(script: str, quick: bool, gpu: bool) -> list[int]:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="which scripts (default: all)")
+    parser.add_argument(
+        "--scripts",
+        nargs="+",
+        default=SCRIPTS,
+        choices=SCRIPTS,
+        help="which scripts (default: all)",
+    )
     parser.add_argument(
         "--num-envs",
         type=int,
@@ -452,8 +493,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="iterations per timed chunk (default 64, 16 with --quick; PPO: 8, 2 with --quick; ppo_snake: 4, 1)",
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed chunks per measurement; the median is reported")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter chunks, 3 repeats")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed chunks per measurement; the median is reported",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer sizes, shorter chunks, 3 repeats"
+    )
 
 
 def iterations_for(script: str, args: argparse.Namespace) -> int:
@@ -461,7 +509,9 @@ def iterations_for(script: str, args: argparse.Namespace) -> int:
         return args.iterations
     if script.startswith("sac"):
         return 16 if args.quick else 64
-    if script == "ppo_snake":  # a board-sized network: an iteration costs ~20x a CartPole one on CPU
+    if (
+        script == "ppo_snake"
+    ):  # a board-sized network: an iteration costs ~20x a CartPole one on CPU
         return 1 if args.quick else 4
     return 2 if args.quick else 8
 
@@ -472,7 +522,9 @@ def repeats_for(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> list[dict]:
     repeats, gpu = repeats_for(args), jax.devices()[0].platform != "cpu"
-    print(f"training throughput on {device_label()}, jax {jax.__version__}, median of {repeats} chunks, 1 seed")
+    print(
+        f"training throughput on {device_label()}, jax {jax.__version__}, median of {repeats} chunks, 1 seed"
+    )
     rows = []
     for script in args.scripts:
         iterations = iterations_for(script, args)
@@ -513,15 +565,32 @@ def run_train(args: argparse.Namespace) -> list[dict]:
     return stamp(rows)
 
 
-SEEDS_HELP = "vmapped seed counts (default 1 4 16 64; --quick 1 4 16; ppo_snake on CPU: one count fewer)"
+SEEDS_HELP = (
+    "vmapped seed counts (default 1 4 16 64; --quick 1 4 16; ppo_snake on CPU: one count fewer)"
+)
 
 
 def add_seeds_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="which scripts (default: all)")
+    parser.add_argument(
+        "--scripts",
+        nargs="+",
+        default=SCRIPTS,
+        choices=SCRIPTS,
+        help="which scripts (default: all)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", help=SEEDS_HELP)
-    parser.add_argument("--iterations", type=int, default=None, help="iterations per timed chunk (default as train)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed chunks per measurement; the median is reported")
-    parser.add_argument("--quick", action="store_true", help="fewer seed counts, shorter chunks, 3 repeats")
+    parser.add_argument(
+        "--iterations", type=int, default=None, help="iterations per timed chunk (default as train)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed chunks per measurement; the median is reported",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer seed counts, shorter chunks, 3 repeats"
+    )
 
 
 def seed_counts(script: str, args: argparse.Namespace, gpu: bool) -> list[int]:
@@ -534,12 +603,16 @@ def seed_counts(script: str, args: argparse.Namespace, gpu: bool) -> list[int]:
 
 def run_seeds(args: argparse.Namespace) -> list[dict]:
     repeats, gpu = repeats_for(args), jax.devices()[0].platform != "cpu"
-    print(f"seed scaling on {device_label()}, jax {jax.__version__}, median of {repeats} chunks, default num_envs")
+    print(
+        f"seed scaling on {device_label()}, jax {jax.__version__}, median of {repeats} chunks, default num_envs"
+    )
     rows = []
     for script in args.scripts:
         iterations, one_seed = iterations_for(script, args), None
         for num_seeds in seed_counts(script, args, gpu):
-            num_envs = importlib.import_module(script).Config().num_envs  # the script's default, per seed
+            num_envs = (
+                importlib.import_module(script).Config().num_envs
+            )  # the script's default, per seed
             runner = chunk_runner(script, num_envs, iterations, num_seeds)
             median = statistics.median(time_chunks(runner, repeats))
             one_seed = one_seed or (median if num_seeds == 1 else None)
@@ -589,7 +662,9 @@ def first_crossing_seconds(metrics_csv: str, bar: float) -> float | None:
 
 
 def add_solve_command_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="one run per script, ppo_snake left out")
+    parser.add_argument(
+        "--quick", action="store_true", help="one run per script, ppo_snake left out"
+    )
     add_solve_arguments(parser)
 
 
@@ -601,7 +676,9 @@ def add_solve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=SCRIPTS,
         help="scripts to run with their defaults (ppo_snake only without --quick)",
     )
-    parser.add_argument("--solve-runs", type=int, default=3, help="default runs per script (1 with --quick)")
+    parser.add_argument(
+        "--solve-runs", type=int, default=3, help="default runs per script (1 with --quick)"
+    )
     parser.add_argument(
         "--solve-flags",
         type=shlex.split,
@@ -619,13 +696,17 @@ def run_solve(args: argparse.Namespace) -> list[dict]:
 
     runs = 1 if args.quick else args.solve_runs
     scripts = [s for s in args.solve_scripts if not (args.quick and s == "ppo_snake")]
-    print(f"time to solve on {device_label()}, jax {jax.__version__}, median of {runs} default run(s)")
+    print(
+        f"time to solve on {device_label()}, jax {jax.__version__}, median of {runs} default run(s)"
+    )
     rows = []
     for script in scripts:
         results = []
         for run in range(runs):
             with tempfile.TemporaryDirectory() as out:
-                seed = importlib.import_module(script).Config().seed + run  # the first run is the default one
+                seed = (
+                    importlib.import_module(script).Config().seed + run
+                )  # the first run is the default one
                 command = [
                     sys.executable,
                     f"{script}.py",
@@ -638,13 +719,21 @@ def run_solve(args: argparse.Namespace) -> list[dict]:
                 ]
                 start = time.perf_counter()
                 subprocess.run(
-                    command, check=True, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__))
+                    command,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    cwd=os.path.dirname(os.path.abspath(__file__)),
                 )
                 process_seconds = time.perf_counter() - start
                 with open(os.path.join(out, "summary.json")) as file:
                     summary = json.load(file)
                 bar = SOLVED_BARS.get(script)
-                crossing = first_crossing_seconds(os.path.join(out, "metrics.csv"), bar) if bar is not None else None
+                crossing = (
+                    first_crossing_seconds(os.path.join(out, "metrics.csv"), bar)
+                    if bar is not None
+                    else None
+                )
                 results.append((summary, process_seconds, crossing))
         summaries = [summary for summary, _, _ in results]
         bar = SOLVED_BARS.get(script)
@@ -693,7 +782,14 @@ def stamp(rows: list[dict]) -> list[dict]:
 
 
 def plot_script_rows(
-    rows: list[dict], x: str, y: str, xlabel: str, ylabel: str, title: str, args: argparse.Namespace, filename: str
+    rows: list[dict],
+    x: str,
+    y: str,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    args: argparse.Namespace,
+    filename: str,
 ) -> None:
     """One line per script of `y` against `x`, next to the JSON file (skipped with --no-save). The
     other scripts' rows of this benchmark and device come from the JSON, so that measuring some
@@ -717,9 +813,13 @@ def plot_script_rows(
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for script in [script for script in SCRIPTS if any(row["library"] == script for row in rows)]:
-        points = sorted((row[x], row[y]) for row in rows if row["library"] == script and row[y] is not None)
+        points = sorted(
+            (row[x], row[y]) for row in rows if row["library"] == script and row[y] is not None
+        )
         axes.plot(*zip(*points, strict=True), "-o", label=script)
-    axes.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=f"{title}, {device_label()}")
+    axes.set(
+        xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=f"{title}, {device_label()}"
+    )
     axes.grid(True, which="major", alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
@@ -732,10 +832,16 @@ def plot_script_rows(
 
 def add_all_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the short version of every benchmark")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
-    parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="scripts for train and seeds")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed runs per measurement; the median is reported"
+    )
+    parser.add_argument(
+        "--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="scripts for train and seeds"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", help=SEEDS_HELP)
-    parser.add_argument("--iterations", type=int, default=None, help="iterations per timed chunk (train, seeds)")
+    parser.add_argument(
+        "--iterations", type=int, default=None, help="iterations per timed chunk (train, seeds)"
+    )
     add_solve_arguments(parser)
 
 
@@ -743,7 +849,10 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     """envs, train, seeds and solve with their own defaults (each one's --num-envs default)."""
     gpu = jax.devices()[0].platform != "cpu"
     envs_args = argparse.Namespace(
-        **vars(args), num_envs=[1, 256, 4096, 65536] + ([2**20] if gpu else []), envs=ENV_NAMES, no_reference=False
+        **vars(args),
+        num_envs=[1, 256, 4096, 65536] + ([2**20] if gpu else []),
+        envs=ENV_NAMES,
+        no_reference=False,
     )
     rows = run_envs(envs_args)
     rows += run_train(argparse.Namespace(**vars(args), num_envs=None))
@@ -756,19 +865,41 @@ def run_all(args: argparse.Namespace) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 # name -> (help, add_arguments, run). A subcommand's run returns the rows it measured.
-SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], list]]] = {
-    "envs": ("env steps per second of every env, next to gymnax / jumanji", add_envs_arguments, run_envs),
-    "train": ("training env steps/s and updates/s of every script across num-envs", add_train_arguments, run_train),
-    "seeds": ("wall time of 1, 4, 16, 64 vmapped seeds of every script", add_seeds_arguments, run_seeds),
-    "solve": ("each script's default run: wall seconds to the solved bar", add_solve_command_arguments, run_solve),
+SUBCOMMANDS: dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], list]]
+] = {
+    "envs": (
+        "env steps per second of every env, next to gymnax / jumanji",
+        add_envs_arguments,
+        run_envs,
+    ),
+    "train": (
+        "training env steps/s and updates/s of every script across num-envs",
+        add_train_arguments,
+        run_train,
+    ),
+    "seeds": (
+        "wall time of 1, 4, 16, 64 vmapped seeds of every script",
+        add_seeds_arguments,
+        run_seeds,
+    ),
+    "solve": (
+        "each script's default run: wall seconds to the solved bar",
+        add_solve_command_arguments,
+        run_solve,
+    ),
     "all": ("envs, train, seeds and solve", add_all_arguments, run_all),
 }
 ROW_KEY = ("benchmark", "library", "env", "num_envs", "num_seeds", "device")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default=RESULTS_PATH, help=f"JSON the rows merge into (default {RESULTS_PATH})")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--output", default=RESULTS_PATH, help=f"JSON the rows merge into (default {RESULTS_PATH})"
+    )
     parser.add_argument("--no-save", action="store_true", help="print only, write no file")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in SUBCOMMANDS.items():

@@ -52,7 +52,9 @@ class Box:
         # Unbounded dimensions sample from a standard normal, bounded ones uniformly.
         finite = jnp.isfinite(self.low) & jnp.isfinite(self.high)
         unit = jax.random.uniform(key, self.shape, self.dtype, 0.0, 1.0)
-        bounded = self.low + unit * (jnp.where(finite, self.high, 1.0) - jnp.where(finite, self.low, 0.0))
+        bounded = self.low + unit * (
+            jnp.where(finite, self.high, 1.0) - jnp.where(finite, self.low, 0.0)
+        )
         return jnp.where(finite, bounded, jax.random.normal(key, self.shape, self.dtype))
 
     def contains(self, x: chex.Array) -> chex.Array:
@@ -85,7 +87,9 @@ class Environment:
             key_step = key_reset = key
         else:
             key_step, key_reset = jax.random.split(key)
-        obs_step, state_step, reward, terminated, info = self.step_env(key_step, state, action, params)
+        obs_step, state_step, reward, terminated, info = self.step_env(
+            key_step, state, action, params
+        )
         truncated = self.is_truncated(state_step, params)
         done = jnp.logical_or(terminated, truncated)
         _, state_reset = self.reset_env(key_reset, params)
@@ -204,7 +208,9 @@ class CartPole(Environment):
     def force(self, action: chex.Array, params: CartPoleParams) -> chex.Array:
         return jnp.where(action == 1, params.force_mag, -params.force_mag)
 
-    def dynamics(self, state: CartPoleState, force: chex.Array, params: CartPoleParams) -> CartPoleState:
+    def dynamics(
+        self, state: CartPoleState, force: chex.Array, params: CartPoleParams
+    ) -> CartPoleState:
         """One Euler step of the cart-pole equations (Barto, Sutton & Anderson 1983), written
         in gymnasium's order of operations so the float results match it."""
         total_mass = params.masspole + params.masscart
@@ -244,7 +250,9 @@ class CartPole(Environment):
         return jnp.array([state.x, state.x_dot, state.theta, state.theta_dot], jnp.float32)
 
     def observation_space(self, params: CartPoleParams) -> Box:
-        high = jnp.array([params.x_threshold * 2, jnp.inf, params.theta_threshold_radians * 2, jnp.inf])
+        high = jnp.array(
+            [params.x_threshold * 2, jnp.inf, params.theta_threshold_radians * 2, jnp.inf]
+        )
         return Box(-high, high, (4,))
 
     def action_space(self, params: CartPoleParams | None = None) -> Discrete:
@@ -258,7 +266,9 @@ class CartPole(Environment):
     def name(self) -> str:
         return "CartPole-v1"
 
-    def render(self, state: CartPoleState, params: CartPoleParams, height: int = 200, width: int = 300) -> chex.Array:
+    def render(
+        self, state: CartPoleState, params: CartPoleParams, height: int = 200, width: int = 300
+    ) -> chex.Array:
         """The cart on its track and the pole, as gymnasium draws it (uint8[height, width, 3])."""
         rows, cols = _pixel_grid(height, width)
         scale = width / (2 * params.x_threshold * 1.1)
@@ -276,7 +286,9 @@ class CartPole(Environment):
         image = _paint(image, jnp.abs(rows - track_row) < 1, (0, 0, 0))
         cart = (jnp.abs(cols - cart_col) < cart_half_w) & (jnp.abs(rows - track_row) < cart_half_h)
         image = _paint(image, cart, (0, 0, 0))
-        image = _paint(image, _segment_mask(rows, cols, pivot, pole_tip, 0.04 * scale), (202, 152, 101))
+        image = _paint(
+            image, _segment_mask(rows, cols, pivot, pole_tip, 0.04 * scale), (202, 152, 101)
+        )
         axle = (rows - track_row) ** 2 + (cols - cart_col) ** 2 < (0.03 * scale) ** 2
         return _paint(image, axle, (129, 132, 203))
 
@@ -310,7 +322,11 @@ class CartPoleSwingup(CartPoleContinuous):
     def reset_env(self, key, params):
         noise = uniform(key, 4, -0.05, 0.05)
         state = CartPoleState(
-            x=noise[0], x_dot=noise[1], theta=jnp.pi + noise[2], theta_dot=noise[3], time=jnp.int32(0)
+            x=noise[0],
+            x_dot=noise[1],
+            theta=jnp.pi + noise[2],
+            theta_dot=noise[3],
+            time=jnp.int32(0),
         )
         return self.get_obs(state), state
 
@@ -326,7 +342,8 @@ class CartPoleSwingup(CartPoleContinuous):
 
     def get_obs(self, state: CartPoleState, params: CartPoleParams | None = None) -> chex.Array:
         return jnp.array(
-            [state.x, state.x_dot, jnp.cos(state.theta), jnp.sin(state.theta), state.theta_dot], jnp.float32
+            [state.x, state.x_dot, jnp.cos(state.theta), jnp.sin(state.theta), state.theta_dot],
+            jnp.float32,
         )
 
     def observation_space(self, params: CartPoleParams) -> Box:
@@ -386,7 +403,10 @@ class Pendulum(Environment):
         cost = angle_normalize(state.theta) ** 2 + 0.1 * state.theta_dot**2 + 0.001 * torque**2
         theta_dot = (
             state.theta_dot
-            + (3 * params.g / (2 * params.l) * jnp.sin(state.theta) + 3.0 / (params.m * params.l**2) * torque)
+            + (
+                3 * params.g / (2 * params.l) * jnp.sin(state.theta)
+                + 3.0 / (params.m * params.l**2) * torque
+            )
             * params.dt
         )
         theta_dot = jnp.clip(theta_dot, -params.max_speed, params.max_speed)
@@ -398,7 +418,9 @@ class Pendulum(Environment):
     def reset_env(self, key, params):
         high = jnp.array([jnp.pi, 1.0])  # gymnasium's DEFAULT_X, DEFAULT_Y
         theta, theta_dot = uniform(key, 2, -high, high)
-        state = PendulumState(theta=theta, theta_dot=theta_dot, last_u=jnp.float32(0.0), time=jnp.int32(0))
+        state = PendulumState(
+            theta=theta, theta_dot=theta_dot, last_u=jnp.float32(0.0), time=jnp.int32(0)
+        )
         return self.get_obs(state), state
 
     def get_obs(self, state: PendulumState, params: PendulumParams | None = None) -> chex.Array:
@@ -420,7 +442,9 @@ class Pendulum(Environment):
     def name(self) -> str:
         return "Pendulum-v1"
 
-    def render(self, state: PendulumState, params: PendulumParams, height: int = 200, width: int = 200) -> chex.Array:
+    def render(
+        self, state: PendulumState, params: PendulumParams, height: int = 200, width: int = 200
+    ) -> chex.Array:
         """The rod from the pivot and a bar showing the torque. As gymnasium draws it, theta = 0
         points up and positive theta and torque turn counter-clockwise (the bar grows left)."""
         rows, cols = _pixel_grid(height, width)
@@ -428,10 +452,16 @@ class Pendulum(Environment):
         rod_length = 0.4 * min(height, width)
         tip = centre + rod_length * jnp.stack([-jnp.cos(state.theta), -jnp.sin(state.theta)])
         image = _blank(height, width)
-        image = _paint(image, _segment_mask(rows, cols, centre, tip, 0.05 * rod_length), (204, 77, 77))
-        torque_end = centre + jnp.stack([0.45 * height, -state.last_u / params.max_torque * 0.4 * width])
+        image = _paint(
+            image, _segment_mask(rows, cols, centre, tip, 0.05 * rod_length), (204, 77, 77)
+        )
+        torque_end = centre + jnp.stack(
+            [0.45 * height, -state.last_u / params.max_torque * 0.4 * width]
+        )
         torque_start = centre + jnp.array([0.45 * height, 0.0])
-        image = _paint(image, _segment_mask(rows, cols, torque_start, torque_end, 2.0), (60, 60, 200))
+        image = _paint(
+            image, _segment_mask(rows, cols, torque_start, torque_end, 2.0), (60, 60, 200)
+        )
         pivot = (rows - centre[0]) ** 2 + (cols - centre[1]) ** 2 < (0.04 * rod_length) ** 2
         return _paint(image, pivot, (0, 0, 0))
 
@@ -446,7 +476,9 @@ SNAKE_MOVES = jnp.array([[-1, 0], [0, 1], [1, 0], [0, -1]], jnp.int32)
 
 @struct.dataclass
 class SnakeState:
-    body: chex.Array  # int32[grid, grid]: steps until each cell is vacated: 0 free, tail 1, head = length
+    body: (
+        chex.Array
+    )  # int32[grid, grid]: steps until each cell is vacated: 0 free, tail 1, head = length
     head: chex.Array  # int32[2], (row, col)
     direction: chex.Array  # int32, the last move taken (0 before the first)
     food: chex.Array  # int32[2], (row, col)
@@ -546,7 +578,9 @@ class Snake(Environment):
         body = jnp.where(entered, length, moved_body)
         # On a win no cell is free: the food stays where it was eaten, under the head.
         free = (state.body == 0) & ~entered  # equal to body == 0 (an eaten cell held the food)
-        food = jnp.where(eats & ~wins, self._place_food(key, free, size * size - length), state.food)
+        food = jnp.where(
+            eats & ~wins, self._place_food(key, free, size * size - length), state.food
+        )
         # A dying snake does not move: the last frame shows it facing the wall or its body.
         state = SnakeState(
             body=jnp.where(dies, state.body, body),
@@ -569,7 +603,9 @@ class Snake(Environment):
         elementwise expression over the channel axis (no stack, which costs a transpose)."""
         size = state.body.shape[0]
         channel = jnp.arange(3)
-        marked = jnp.where(channel == 0, state.head[:, None], state.food[:, None])  # [2, 3]: (row, col) per channel
+        marked = jnp.where(
+            channel == 0, state.head[:, None], state.food[:, None]
+        )  # [2, 3]: (row, col) per channel
         rows = jnp.arange(size)[:, None, None]
         cols = jnp.arange(size)[None, :, None]
         one_hot = ((rows == marked[0]) & (cols == marked[1])).astype(jnp.float32)
@@ -594,9 +630,13 @@ class Snake(Environment):
         """Body shaded from tail to head, head dark, food red, one gridline between cells."""
         size = state.body.shape[0]
         shade = state.body.astype(jnp.float32) / state.length.astype(jnp.float32)
-        green = jnp.stack([40 + 40 * (1 - shade), 120 + 100 * (1 - shade), 40 + 40 * (1 - shade)], -1)
+        green = jnp.stack(
+            [40 + 40 * (1 - shade), 120 + 100 * (1 - shade), 40 + 40 * (1 - shade)], -1
+        )
         cells = jnp.where((state.body > 0)[..., None], green, 235.0)
-        cells = jnp.where(_cell_mask(size, state.head)[..., None], jnp.array([20.0, 70.0, 20.0]), cells)
+        cells = jnp.where(
+            _cell_mask(size, state.head)[..., None], jnp.array([20.0, 70.0, 20.0]), cells
+        )
         food_visible = _cell_mask(size, state.food) & (state.body == 0)
         cells = jnp.where(food_visible[..., None], jnp.array([220.0, 40.0, 40.0]), cells)
         image = jnp.repeat(jnp.repeat(cells, cell_pixels, axis=0), cell_pixels, axis=1)
@@ -634,7 +674,9 @@ class EpisodeStats(Environment):
         return obs, EpisodeStatsState(env_state, jnp.float32(0.0), jnp.int32(0))
 
     def step(self, key, state, action, params=None):
-        obs, env_state, reward, terminated, truncated, info = self.env.step(key, state.env_state, action, params)
+        obs, env_state, reward, terminated, truncated, info = self.env.step(
+            key, state.env_state, action, params
+        )
         done = jnp.logical_or(terminated, truncated)
         episode_return = state.episode_return + reward
         episode_length = state.episode_length + 1

@@ -134,7 +134,9 @@ def parse_config(args: Sequence[str] | None = None) -> Config:
         with contextlib.redirect_stderr(captured):
             return tyro.cli(Config, args=args, description=__doc__.splitlines()[0])
     except SystemExit as exit_:
-        if exit_.code:  # not --help: the message under the box's title, wrapped lines joined, up to a rule
+        if (
+            exit_.code
+        ):  # not --help: the message under the box's title, wrapped lines joined, up to a rule
             texts = [line.strip().strip("│|").strip() for line in captured.getvalue().splitlines()]
             message = []  # a box in UTF-8, or ASCII rules without one: title, rule(s), message, rule
             for text in texts[1:]:
@@ -142,9 +144,14 @@ def parse_config(args: Sequence[str] | None = None) -> Config:
                     message.append(text)
                 elif message:
                     break
-            hints = [texts[i + 1] for i, text in enumerate(texts[:-1]) if text == "Perhaps you meant:"]  # a typo
+            hints = [
+                texts[i + 1] for i, text in enumerate(texts[:-1]) if text == "Perhaps you meant:"
+            ]  # a typo
             hint = f"; perhaps you meant {hints[0]}" if hints else ""
-            print(f"{SCRIPT}.py: error: {' '.join(message) or 'bad arguments'}{hint} (see --help)", file=sys.stderr)
+            print(
+                f"{SCRIPT}.py: error: {' '.join(message) or 'bad arguments'}{hint} (see --help)",
+                file=sys.stderr,
+            )
         raise
 
 
@@ -162,44 +169,81 @@ def sizes(config: Config) -> Sizes:
     batch_size = config.num_envs * config.num_steps
     iterations_per_chunk = max(1, config.log_every // batch_size)
     num_chunks = config.total_timesteps // (iterations_per_chunk * batch_size)
-    return Sizes(batch_size, config.update_epochs * config.num_minibatches, iterations_per_chunk, num_chunks,
-                 num_chunks * iterations_per_chunk, iterations_per_chunk * batch_size,
-                 num_chunks * iterations_per_chunk * batch_size)
+    return Sizes(
+        batch_size,
+        config.update_epochs * config.num_minibatches,
+        iterations_per_chunk,
+        num_chunks,
+        num_chunks * iterations_per_chunk,
+        iterations_per_chunk * batch_size,
+        num_chunks * iterations_per_chunk * batch_size,
+    )
 
 
 def validate(config: Config) -> None:
     """Raise UsageError naming the first bad flag and its allowed range; compiles nothing."""
     hunger_limit = config.env.max_steps_without_food
     rules = [
-        (">= 1", lambda value: value >= 1, ["num_seeds", "total_timesteps", "num_envs", "num_steps", "log_every",
-                                             "num_minibatches", "update_epochs", "hidden_size", "eval_episodes"]),
+        (
+            ">= 1",
+            lambda value: value >= 1,
+            [
+                "num_seeds",
+                "total_timesteps",
+                "num_envs",
+                "num_steps",
+                "log_every",
+                "num_minibatches",
+                "update_epochs",
+                "hidden_size",
+                "eval_episodes",
+            ],
+        ),
         ("> 0", lambda value: value > 0, ["learning_rate", "clip_coef", "max_grad_norm"]),
         (">= 0", lambda value: value >= 0, ["ent_coef", "vf_coef", "food_shaping"]),
         ("in (0, 1]", lambda value: 0 < value <= 1, ["gamma"]),
         ("in [0, 1]", lambda value: 0 <= value <= 1, ["gae_lambda"]),
-        ("in [0, 2**31 - num_seeds)", lambda value: 0 <= value < 2**31 - config.num_seeds, ["seed"]),
-        ("one or more counts >= 1", lambda value: len(value) > 0 and min(value) >= 1, ["conv_channels"]),
+        (
+            "in [0, 2**31 - num_seeds)",
+            lambda value: 0 <= value < 2**31 - config.num_seeds,
+            ["seed"],
+        ),
+        (
+            "one or more counts >= 1",
+            lambda value: len(value) > 0 and min(value) >= 1,
+            ["conv_channels"],
+        ),
     ]
     for allowed, holds, names in rules:
         for name in names:
             if not holds(getattr(config, name)):
-                raise UsageError(f"--{name.replace('_', '-')} must be {allowed}, got {getattr(config, name)}")
+                raise UsageError(
+                    f"--{name.replace('_', '-')} must be {allowed}, got {getattr(config, name)}"
+                )
     if config.env.grid_size not in GRID_SIZES:
-        raise UsageError(f"--env.grid-size must be in [{GRID_SIZES[0]}, {GRID_SIZES[-1]}], got {config.env.grid_size}")
+        raise UsageError(
+            f"--env.grid-size must be in [{GRID_SIZES[0]}, {GRID_SIZES[-1]}], got {config.env.grid_size}"
+        )
     if hunger_limit is not None and hunger_limit < 1:
         raise UsageError(f"--env.max-steps-without-food must be >= 1 (or None), got {hunger_limit}")
     size = sizes(config)
     if size.batch_size % config.num_minibatches:
-        raise UsageError(f"--num-minibatches must divide --num-envs * --num-steps = {size.batch_size}, "
-                         f"got {config.num_minibatches}")
+        raise UsageError(
+            f"--num-minibatches must divide --num-envs * --num-steps = {size.batch_size}, "
+            f"got {config.num_minibatches}"
+        )
     if size.num_chunks < 1 and not config.eval_only:
-        raise UsageError(f"--total-timesteps must be at least one chunk, {size.chunk_steps} env steps (--log-every "
-                         f"in whole iterations of {size.batch_size}), got {config.total_timesteps}")
+        raise UsageError(
+            f"--total-timesteps must be at least one chunk, {size.chunk_steps} env steps (--log-every "
+            f"in whole iterations of {size.batch_size}), got {config.total_timesteps}"
+        )
     if config.eval_only != (config.load_model is not None):
         raise UsageError("--eval-only and --load-model PATH go together (evaluate a checkpoint)")
     if config.num_seeds % jax.device_count():
-        raise UsageError(f"--num-seeds must be a multiple of the {jax.device_count()} visible devices, "
-                         f"over which the seeds are sharded; got {config.num_seeds}")
+        raise UsageError(
+            f"--num-seeds must be a multiple of the {jax.device_count()} visible devices, "
+            f"over which the seeds are sharded; got {config.num_seeds}"
+        )
 
 
 # ---- networks -------------------------------------------------------------------------------
@@ -212,10 +256,13 @@ def reverse_move_mask(obs: chex.Array) -> chex.Array:
     head, recency = obs[..., 0], obs[..., 1]
     size = obs.shape[-2]
     padded = jnp.pad(recency, [(0, 0)] * (recency.ndim - 2) + [(1, 1), (1, 1)])
-    neighbour_recency = jnp.stack([  # the recency of the cell each move enters, read at the head
-        (head * padded[..., 1 + row: 1 + row + size, 1 + col: 1 + col + size]).sum((-2, -1))
-        for row, col in np.asarray(envs.SNAKE_MOVES)
-    ], axis=-1)
+    neighbour_recency = jnp.stack(
+        [  # the recency of the cell each move enters, read at the head
+            (head * padded[..., 1 + row : 1 + row + size, 1 + col : 1 + col + size]).sum((-2, -1))
+            for row, col in np.asarray(envs.SNAKE_MOVES)
+        ],
+        axis=-1,
+    )
     return (neighbour_recency == neighbour_recency.max(-1, keepdims=True)) & (neighbour_recency > 0)
 
 
@@ -239,7 +286,9 @@ def patches_3x3(x: chex.Array) -> chex.Array:
     dense layer on it is a 3x3 'same' convolution."""
     rows, cols = x.shape[-3:-1]
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 3) + [(1, 1), (1, 1), (0, 0)])
-    return jnp.concatenate([padded[..., i: i + rows, j: j + cols, :] for i in range(3) for j in range(3)], axis=-1)
+    return jnp.concatenate(
+        [padded[..., i : i + rows, j : j + cols, :] for i in range(3) for j in range(3)], axis=-1
+    )
 
 
 class ConvTrunk(nn.Module):
@@ -276,12 +325,18 @@ class TransformerTrunk(nn.Module):
     @nn.compact
     def __call__(self, board: chex.Array) -> chex.Array:
         tokens = board.reshape(*board.shape[:-3], -1, board.shape[-1])  # [..., cells, channels]
-        position = self.param("position", nn.initializers.normal(0.02), (tokens.shape[-2], self.embed_dim))
+        position = self.param(
+            "position", nn.initializers.normal(0.02), (tokens.shape[-2], self.embed_dim)
+        )
         x = nn.Dense(self.embed_dim)(tokens) + position
         for _ in range(self.num_blocks):
             x = x + nn.MultiHeadDotProductAttention(self.num_heads)(nn.LayerNorm()(x))
-            x = x + nn.Dense(self.embed_dim)(nn.gelu(nn.Dense(4 * self.embed_dim)(nn.LayerNorm()(x))))
-        head_token = jnp.einsum("...t,...te->...e", tokens[..., 0], nn.LayerNorm()(x))  # channel 0: the head
+            x = x + nn.Dense(self.embed_dim)(
+                nn.gelu(nn.Dense(4 * self.embed_dim)(nn.LayerNorm()(x)))
+            )
+        head_token = jnp.einsum(
+            "...t,...te->...e", tokens[..., 0], nn.LayerNorm()(x)
+        )  # channel 0: the head
         return nn.relu(nn.Dense(self.hidden_size, kernel_init=orthogonal(math.sqrt(2)))(head_token))
 
 
@@ -298,7 +353,9 @@ class ActorCritic(nn.Module):
         features = self.trunk(jnp.concatenate([obs, jnp.ones_like(obs[..., :1])], axis=-1))
         # Head gains 0.01 (a near-uniform first policy) and 1 (Huang et al. 2022, detail 2).
         logits = nn.Dense(self.num_actions, kernel_init=orthogonal(0.01))(features)
-        logits = jnp.where(reverse_move_mask(obs), -1e9, logits)  # finite: 0 * log-prob stays 0 in the entropy
+        logits = jnp.where(
+            reverse_move_mask(obs), -1e9, logits
+        )  # finite: 0 * log-prob stays 0 in the entropy
         return logits, nn.Dense(1, kernel_init=orthogonal(1.0))(features)[..., 0]
 
 
@@ -367,7 +424,9 @@ def compute_gae(rewards, values, next_values, terminated, truncated, gamma, gae_
         advantage = delta + gamma * gae_lambda * continuing * next_advantage
         return advantage, advantage
 
-    _, advantages = jax.lax.scan(backward, jnp.zeros_like(values[0]), (deltas, continues), reverse=True)
+    _, advantages = jax.lax.scan(
+        backward, jnp.zeros_like(values[0]), (deltas, continues), reverse=True
+    )
     return advantages, advantages + values
 
 
@@ -377,7 +436,9 @@ def food_potential(obs: chex.Array) -> chex.Array:
     each step towards the food and leaves the optimal policy as it was (Ng et al. 1999)."""
     size = obs.shape[-2]
     lines = jnp.arange(size, dtype=jnp.float32)
-    rows = jnp.einsum("...ijc,i->...c", obs, lines)  # the row of each one-hot channel (0 head, 2 food)
+    rows = jnp.einsum(
+        "...ijc,i->...c", obs, lines
+    )  # the row of each one-hot channel (0 head, 2 food)
     cols = jnp.einsum("...ijc,j->...c", obs, lines)
     return -(jnp.abs(rows[..., 0] - rows[..., 2]) + jnp.abs(cols[..., 0] - cols[..., 2])) / size
 
@@ -404,7 +465,9 @@ def value_loss(values, old_values, targets, clip_coef, clip_vloss: bool):
     return 0.5 * squared_error.mean()
 
 
-def minibatch_indices(key: chex.PRNGKey, num_epochs: int, batch_size: int, num_minibatches: int) -> chex.Array:
+def minibatch_indices(
+    key: chex.PRNGKey, num_epochs: int, batch_size: int, num_minibatches: int
+) -> chex.Array:
     """A fresh permutation of the batch per epoch, cut into minibatches: int[num_epochs,
     num_minibatches, batch_size // num_minibatches]. Each permutation sorts random 32-bit keys,
     as jax.random.permutation does, but all epochs share one random draw."""
@@ -431,28 +494,37 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
     network = make_network(config, env.num_actions)
     step_envs = jax.vmap(env.step, in_axes=(0, 0, 0, None))
 
-    def learning_rate(count: chex.Array) -> chex.Array:  # linear to 0, constant within an iteration (CleanRL)
+    def learning_rate(
+        count: chex.Array,
+    ) -> chex.Array:  # linear to 0, constant within an iteration (CleanRL)
         fraction_left = 1.0 - (count // size.updates_per_iteration) / size.num_iterations
         return config.learning_rate * (fraction_left if config.anneal_lr else 1.0)
 
     # On one flat vector of all parameters (optax.flatten): the same maths, in a few fused
     # kernels rather than a few per parameter array, which keeps the compile time down.
-    optimizer = optax.flatten(optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adam(learning_rate, eps=1e-5),  # eps of PPO's reference code (Huang et al. 2022, detail 3)
-    ))
+    optimizer = optax.flatten(
+        optax.chain(
+            optax.clip_by_global_norm(config.max_grad_norm),
+            optax.adam(
+                learning_rate, eps=1e-5
+            ),  # eps of PPO's reference code (Huang et al. 2022, detail 3)
+        )
+    )
 
     def init(key: chex.PRNGKey) -> TrainState:
         key_params, key_envs, key = jax.random.split(key, 3)
         params = network.init(key_params, jnp.zeros(obs_shape))
-        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key_envs, config.num_envs),
-                                                                env_params)
+        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
+            jax.random.split(key_envs, config.num_envs), env_params
+        )
         return TrainState(params, optimizer.init(params), env_state, obs, key)
 
     def rollout(state: TrainState, key_actions: chex.PRNGKey, key_envs: chex.PRNGKey):
         # All the rollout's randomness in two draws before the scan: Gumbel noise to sample the
         # actions (argmax(logits + Gumbel) ~ softmax(logits)) and one key per env step.
-        gumbel = jax.random.gumbel(key_actions, (config.num_steps, config.num_envs, env.num_actions))
+        gumbel = jax.random.gumbel(
+            key_actions, (config.num_steps, config.num_envs, env.num_actions)
+        )
         env_keys = jax.random.split(key_envs, (config.num_steps, config.num_envs))
 
         def env_step(carry, noise_and_keys):
@@ -460,13 +532,28 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
             noise, keys = noise_and_keys
             logits, value = network.apply(state.params, obs)
             action = jnp.argmax(logits + noise, axis=-1)
-            next_obs, env_state, reward, terminated, truncated, info = step_envs(keys, env_state, action, env_params)
+            next_obs, env_state, reward, terminated, truncated, info = step_envs(
+                keys, env_state, action, env_params
+            )
             transition = Transition(
-                obs, action, categorical_log_prob(logits, action), value, reward, terminated, truncated, info["won"],
-                info["final_observation"], info["returned_episode"], info["episode_return"], info["episode_length"])
+                obs,
+                action,
+                categorical_log_prob(logits, action),
+                value,
+                reward,
+                terminated,
+                truncated,
+                info["won"],
+                info["final_observation"],
+                info["returned_episode"],
+                info["episode_return"],
+                info["episode_length"],
+            )
             return (env_state, next_obs), transition
 
-        (env_state, obs), transitions = jax.lax.scan(env_step, (state.env_state, state.obs), (gumbel, env_keys))
+        (env_state, obs), transitions = jax.lax.scan(
+            env_step, (state.env_state, state.obs), (gumbel, env_keys)
+        )
         return state.replace(env_state=env_state, obs=obs), transitions
 
     def loss_fn(params: dict, minibatch: Batch) -> tuple[chex.Array, dict]:
@@ -477,10 +564,18 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
         if config.norm_adv:
             advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
         pg_loss, approx_kl, clip_frac = policy_loss(
-            categorical_log_prob(logits, minibatch.action), minibatch.log_prob, advantages, config.clip_coef)
-        v_loss = value_loss(values, minibatch.value, minibatch.target, config.clip_coef, config.clip_vloss)
+            categorical_log_prob(logits, minibatch.action),
+            minibatch.log_prob,
+            advantages,
+            config.clip_coef,
+        )
+        v_loss = value_loss(
+            values, minibatch.value, minibatch.target, config.clip_coef, config.clip_vloss
+        )
         loss = pg_loss - config.ent_coef * entropy + config.vf_coef * v_loss
-        return loss, dict(zip(LOSS_NAMES, (v_loss, pg_loss, entropy, approx_kl, clip_frac), strict=True))
+        return loss, dict(
+            zip(LOSS_NAMES, (v_loss, pg_loss, entropy, approx_kl, clip_frac), strict=True)
+        )
 
     def update_minibatch(carry, minibatch: Batch):
         params, opt_state = carry
@@ -498,22 +593,47 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
         state, transitions = rollout(state, key_actions, key_envs)
         chex.assert_shape(transitions.reward, (config.num_steps, config.num_envs))
         _, next_values = network.apply(state.params, transitions.final_obs)
-        shaping = config.gamma * food_potential(transitions.final_obs) * (1.0 - transitions.terminated)
-        rewards = transitions.reward + config.food_shaping * (shaping - food_potential(transitions.obs))
-        advantages, targets = compute_gae(rewards, transitions.value, next_values, transitions.terminated,
-                                          transitions.truncated, config.gamma, config.gae_lambda)
-        batch = Batch(transitions.obs, transitions.action, transitions.log_prob, transitions.value, advantages, targets)
+        shaping = (
+            config.gamma * food_potential(transitions.final_obs) * (1.0 - transitions.terminated)
+        )
+        rewards = transitions.reward + config.food_shaping * (
+            shaping - food_potential(transitions.obs)
+        )
+        advantages, targets = compute_gae(
+            rewards,
+            transitions.value,
+            next_values,
+            transitions.terminated,
+            transitions.truncated,
+            config.gamma,
+            config.gae_lambda,
+        )
+        batch = Batch(
+            transitions.obs,
+            transitions.action,
+            transitions.log_prob,
+            transitions.value,
+            advantages,
+            targets,
+        )
         batch = jax.tree.map(lambda x: x.reshape(size.batch_size, *x.shape[2:]), batch)
-        indices = minibatch_indices(key_minibatches, config.update_epochs, size.batch_size, config.num_minibatches)
-        (params, opt_state), losses = jax.lax.scan(partial(update_epoch, batch), (state.params, state.opt_state),
-                                                   indices)
+        indices = minibatch_indices(
+            key_minibatches, config.update_epochs, size.batch_size, config.num_minibatches
+        )
+        (params, opt_state), losses = jax.lax.scan(
+            partial(update_epoch, batch), (state.params, state.opt_state), indices
+        )
         done = transitions.episode_done
         # The score is the food eaten: the return counts +1 per food and -1 for a death (an end that is no win).
         score = transitions.episode_return + (transitions.terminated & ~transitions.won)
         stats = {name: loss.mean() for name, loss in losses.items()}
-        stats |= dict(episodes=done.sum(), return_sum=jnp.where(done, transitions.episode_return, 0.0).sum(),
-                      length_sum=jnp.where(done, transitions.episode_length, 0).sum(),
-                      score_sum=jnp.where(done, score, 0.0).sum(), wins=transitions.won.sum())
+        stats |= dict(
+            episodes=done.sum(),
+            return_sum=jnp.where(done, transitions.episode_return, 0.0).sum(),
+            length_sum=jnp.where(done, transitions.episode_length, 0).sum(),
+            score_sum=jnp.where(done, score, 0.0).sum(),
+            wins=transitions.won.sum(),
+        )
         return state.replace(params=params, opt_state=opt_state, key=key), stats
 
     def run_chunk(state: TrainState) -> tuple[TrainState, dict]:
@@ -521,14 +641,19 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
         episodes = stats["episodes"].sum()
         per_episode = 1.0 / jnp.where(episodes > 0, episodes, jnp.nan)  # NaN when no episode ended
         metrics = {name: stats[name].mean() for name in LOSS_NAMES}
-        metrics |= dict(episode_return=stats["return_sum"].sum() * per_episode,
-                        episode_length=stats["length_sum"].sum() * per_episode,
-                        score=stats["score_sum"].sum() * per_episode, win_rate=stats["wins"].sum() * per_episode,
-                        params_finite=jnp.isfinite(flatten_util.ravel_pytree(state.params)[0]).all())
+        metrics |= dict(
+            episode_return=stats["return_sum"].sum() * per_episode,
+            episode_length=stats["length_sum"].sum() * per_episode,
+            score=stats["score_sum"].sum() * per_episode,
+            win_rate=stats["wins"].sum() * per_episode,
+            params_finite=jnp.isfinite(flatten_util.ravel_pytree(state.params)[0]).all(),
+        )
         return state, metrics
 
     def train(key: chex.PRNGKey) -> tuple[TrainState, dict]:
-        return jax.lax.scan(lambda state, _: run_chunk(state), init(key), None, length=size.num_chunks)
+        return jax.lax.scan(
+            lambda state, _: run_chunk(state), init(key), None, length=size.num_chunks
+        )
 
     return init, run_chunk, train
 
@@ -554,13 +679,21 @@ def make_evaluate(config: Config) -> Callable:
             return obs, env_state, terminated, env.is_truncated(env_state, env_params)
 
         carry = (*env.reset(key_reset, env_params), jnp.bool_(False), jnp.bool_(False))
-        _, final, terminated, _ = jax.lax.while_loop(lambda carry: ~(carry[2] | carry[3]), step, carry)
+        _, final, terminated, _ = jax.lax.while_loop(
+            lambda carry: ~(carry[2] | carry[3]), step, carry
+        )
         score, won = final.length - 1, final.length == config.env.grid_size**2
-        return dict(episode_return=(score - (terminated & ~won)).astype(jnp.float32), score=score,
-                    episode_length=final.time, won=won)
+        return dict(
+            episode_return=(score - (terminated & ~won)).astype(jnp.float32),
+            score=score,
+            episode_length=final.time,
+            won=won,
+        )
 
     def evaluate(params: dict, key: chex.PRNGKey) -> dict:
-        return jax.vmap(episode, in_axes=(None, 0))(params, jax.random.split(key, config.eval_episodes))
+        return jax.vmap(episode, in_axes=(None, 0))(
+            params, jax.random.split(key, config.eval_episodes)
+        )
 
     return evaluate
 
@@ -582,9 +715,15 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def save_checkpoint(path: Path, config: Config, params: dict) -> None:
     """Every seed's parameters (leading seed axis), with the config, script and env id."""
-    payload = {"script": SCRIPT, "env_id": ENV_ID, "config": json.dumps(dataclasses.asdict(config)),
-               "params": jax.device_get(params)}
-    write_atomic(path, lambda temporary: temporary.write_bytes(serialization.msgpack_serialize(payload)))
+    payload = {
+        "script": SCRIPT,
+        "env_id": ENV_ID,
+        "config": json.dumps(dataclasses.asdict(config)),
+        "params": jax.device_get(params),
+    }
+    write_atomic(
+        path, lambda temporary: temporary.write_bytes(serialization.msgpack_serialize(payload))
+    )
 
 
 def load_checkpoint(config: Config) -> tuple[Config, dict]:
@@ -595,15 +734,30 @@ def load_checkpoint(config: Config) -> tuple[Config, dict]:
         script, env_id = payload["script"], payload["env_id"]
         if (script, env_id) == (SCRIPT, ENV_ID):
             saved = json.loads(payload["config"])
-            saved = Config(**{**saved, "env": EnvConfig(**saved["env"]),
-                              "conv_channels": tuple(saved["conv_channels"])})
+            saved = Config(
+                **{
+                    **saved,
+                    "env": EnvConfig(**saved["env"]),
+                    "conv_channels": tuple(saved["conv_channels"]),
+                }
+            )
     except Exception as error:  # any unreadable file is the same user error
-        raise UsageError(f"--load-model {config.load_model} is not a readable model.msgpack ({error})") from None
+        raise UsageError(
+            f"--load-model {config.load_model} is not a readable model.msgpack ({error})"
+        ) from None
     if (script, env_id) != (SCRIPT, ENV_ID):
-        raise UsageError(f"--load-model {config.load_model} is a {script} checkpoint for {env_id}; "
-                         f"this script evaluates {SCRIPT} on {ENV_ID}")
-    config = dataclasses.replace(saved, eval_episodes=config.eval_episodes, output_dir=config.output_dir,
-                                 capture_gif=config.capture_gif, load_model=config.load_model, eval_only=True)
+        raise UsageError(
+            f"--load-model {config.load_model} is a {script} checkpoint for {env_id}; "
+            f"this script evaluates {SCRIPT} on {ENV_ID}"
+        )
+    config = dataclasses.replace(
+        saved,
+        eval_episodes=config.eval_episodes,
+        output_dir=config.output_dir,
+        capture_gif=config.capture_gif,
+        load_model=config.load_model,
+        eval_only=True,
+    )
     validate(config)  # e.g. its seeds on the devices visible now
     return config, payload["params"]
 
@@ -611,15 +765,22 @@ def load_checkpoint(config: Config) -> tuple[Config, dict]:
 def plot_curves(path: Path, rows: list[dict], grid_size: int) -> None:
     """Score, return, length, win rate and losses against env steps: the mean over seeds and the
     min-max band."""
-    from matplotlib.figure import Figure  # imported here: only this output needs it, and it is slow to import
+    from matplotlib.figure import (
+        Figure,
+    )  # imported here: only this output needs it, and it is slow to import
 
     seeds = sorted({row["seed"] for row in rows})
     steps = [row["env_steps"] for row in rows if row["seed"] == seeds[0]]
     fig = Figure(figsize=(13, 10), layout="tight")
     axes = fig.subplots(3, 3)
-    for ax, name in zip(axes.flat, ["score", "episode_return", "episode_length", "win_rate", *LOSS_NAMES],
-                        strict=True):
-        values = np.array([[row[name] for row in rows if row["seed"] == seed] for seed in seeds], float)
+    for ax, name in zip(
+        axes.flat,
+        ["score", "episode_return", "episode_length", "win_rate", *LOSS_NAMES],
+        strict=True,
+    ):
+        values = np.array(
+            [[row[name] for row in rows if row["seed"] == seed] for seed in seeds], float
+        )
         ax.plot(steps, np.nanmean(values, axis=0))
         ax.fill_between(steps, np.nanmin(values, axis=0), np.nanmax(values, axis=0), alpha=0.25)
         ax.set(title=name, xlabel="env steps")
@@ -628,8 +789,14 @@ def plot_curves(path: Path, rows: list[dict], grid_size: int) -> None:
     write_atomic(path, lambda temporary: fig.savefig(temporary, format="png", dpi=90))
 
 
-def write_gif(path: Path, config: Config, params: dict, key: chex.PRNGKey, num_boards: int = 4,
-              num_frames: int = 200) -> None:
+def write_gif(
+    path: Path,
+    config: Config,
+    params: dict,
+    key: chex.PRNGKey,
+    num_boards: int = 4,
+    num_frames: int = 200,
+) -> None:
     """The greedy policy on `num_boards` boards side by side for `num_frames` steps, drawn by the
     env's own renderer; a board whose game ends starts a new one. Unlike CartPole's, the GIF
     replays no evaluation episode: a good snake's episodes are too long to keep every state."""
@@ -642,22 +809,32 @@ def write_gif(path: Path, config: Config, params: dict, key: chex.PRNGKey, num_b
 
     def frame(carry, frame_key):
         obs, env_state = carry
-        boards = jax.vmap(lambda state: env.render(state, env_params, cell_pixels=cell_pixels))(env_state)
+        boards = jax.vmap(lambda state: env.render(state, env_params, cell_pixels=cell_pixels))(
+            env_state
+        )
         gap = jnp.full((boards.shape[1], cell_pixels, 3), 255, jnp.uint8)
         image = jnp.concatenate([part for board in boards for part in (board, gap)][:-1], axis=1)
         action = jnp.argmax(network.apply(params, obs)[0], axis=-1)
-        obs, env_state, *_ = step_envs(jax.random.split(frame_key, num_boards), env_state, action, env_params)
+        obs, env_state, *_ = step_envs(
+            jax.random.split(frame_key, num_boards), env_state, action, env_params
+        )
         return (obs, env_state), image
 
     @jax.jit
     def frames(key: chex.PRNGKey) -> chex.Array:
         key_reset, key_frames = jax.random.split(key)
-        carry = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key_reset, num_boards), env_params)
+        carry = jax.vmap(env.reset, in_axes=(0, None))(
+            jax.random.split(key_reset, num_boards), env_params
+        )
         return jax.lax.scan(frame, carry, jax.random.split(key_frames, num_frames))[1]
 
     images = [Image.fromarray(image) for image in np.asarray(frames(key))]
-    write_atomic(path, lambda temporary: images[0].save(temporary, format="GIF", save_all=True, loop=0,
-                                                       append_images=images[1:], duration=100))
+    write_atomic(
+        path,
+        lambda temporary: images[0].save(
+            temporary, format="GIF", save_all=True, loop=0, append_images=images[1:], duration=100
+        ),
+    )
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -668,15 +845,23 @@ def seed_keys(config: Config) -> chex.PRNGKey:
     return jax.vmap(jax.random.key)(config.seed + jnp.arange(config.num_seeds))
 
 
-def train_with_progress(config: Config, sharding: NamedSharding, out: Path) -> tuple[dict, dict, list[dict]]:
+def train_with_progress(
+    config: Config, sharding: NamedSharding, out: Path
+) -> tuple[dict, dict, list[dict]]:
     """The CLI's training: the jitted, vmapped run_chunk called once per chunk with the state
     donated; in between, one progress line and the metrics rows. Ctrl-C stops it after the
     chunk. Returns (every seed's params, summary, metrics rows); exits on a non-finite value."""
     size = sizes(config)
     init, run_chunk, _ = make_train(config)
     start = time.perf_counter()
-    state = jax.jit(jax.vmap(init), out_shardings=sharding)(jax.device_put(seed_keys(config), sharding))
-    run_chunk = jax.jit(jax.vmap(run_chunk), out_shardings=sharding, donate_argnums=0).lower(state).compile()
+    state = jax.jit(jax.vmap(init), out_shardings=sharding)(
+        jax.device_put(seed_keys(config), sharding)
+    )
+    run_chunk = (
+        jax.jit(jax.vmap(run_chunk), out_shardings=sharding, donate_argnums=0)
+        .lower(state)
+        .compile()
+    )
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
 
@@ -693,35 +878,66 @@ def train_with_progress(config: Config, sharding: NamedSharding, out: Path) -> t
     start = last = time.perf_counter()
     for chunk in range(1, size.num_chunks + 1):
         state, metrics = run_chunk(state)
-        metrics = jax.device_get(metrics)  # waits for the chunk; the only transfer, a few numbers per seed
+        metrics = jax.device_get(
+            metrics
+        )  # waits for the chunk; the only transfer, a few numbers per seed
         now = time.perf_counter()
         elapsed, sps, last = now - start, size.chunk_steps / (now - last), now
-        env_steps, updates = chunk * size.chunk_steps, chunk * size.iterations_per_chunk * size.updates_per_iteration
-        rows += [dict(seed=config.seed + i, env_steps=env_steps, updates=updates, wall_seconds=round(elapsed, 3),
-                      sps=round(sps), **{name: float(metrics[name][i]) for name in METRIC_NAMES})
-                 for i in range(config.num_seeds)]
+        env_steps, updates = (
+            chunk * size.chunk_steps,
+            chunk * size.iterations_per_chunk * size.updates_per_iteration,
+        )
+        rows += [
+            dict(
+                seed=config.seed + i,
+                env_steps=env_steps,
+                updates=updates,
+                wall_seconds=round(elapsed, 3),
+                sps=round(sps),
+                **{name: float(metrics[name][i]) for name in METRIC_NAMES},
+            )
+            for i in range(config.num_seeds)
+        ]
         write_csv(out / "metrics.csv", rows)  # all rows so far: valid whenever the run stops
         scores = metrics["score"]
-        spread = f" ± {np.nanstd(scores):.2f} (min {np.nanmin(scores):.2f})" if config.num_seeds > 1 else ""
-        print(f"steps {env_steps:,}/{size.env_steps:,} ({env_steps / size.env_steps:.0%}) | SPS {sps:,.0f} | "
-              f"updates/s {size.iterations_per_chunk * size.updates_per_iteration * sps / size.chunk_steps:,.0f} | "
-              f"score {np.nanmean(scores):.2f}{spread}, length {np.nanmean(metrics['episode_length']):.0f}, "
-              f"wins {np.nanmean(metrics['win_rate']):.1%} | "
-              + " ".join(f"{name} {np.mean(metrics[name]):.3g}" for name in LOSS_NAMES)
-              + f" | {elapsed:.1f} s, ETA {elapsed / chunk * (size.num_chunks - chunk):.1f} s", flush=True)
-        finite = {name: np.isfinite(metrics[name]) for name in LOSS_NAMES} | {"parameter": metrics["params_finite"]}
+        spread = (
+            f" ± {np.nanstd(scores):.2f} (min {np.nanmin(scores):.2f})"
+            if config.num_seeds > 1
+            else ""
+        )
+        print(
+            f"steps {env_steps:,}/{size.env_steps:,} ({env_steps / size.env_steps:.0%}) | SPS {sps:,.0f} | "
+            f"updates/s {size.iterations_per_chunk * size.updates_per_iteration * sps / size.chunk_steps:,.0f} | "
+            f"score {np.nanmean(scores):.2f}{spread}, length {np.nanmean(metrics['episode_length']):.0f}, "
+            f"wins {np.nanmean(metrics['win_rate']):.1%} | "
+            + " ".join(f"{name} {np.mean(metrics[name]):.3g}" for name in LOSS_NAMES)
+            + f" | {elapsed:.1f} s, ETA {elapsed / chunk * (size.num_chunks - chunk):.1f} s",
+            flush=True,
+        )
+        finite = {name: np.isfinite(metrics[name]) for name in LOSS_NAMES} | {
+            "parameter": metrics["params_finite"]
+        }
         for name, ok in finite.items():
             if not ok.all():
-                print(f"{SCRIPT}: non-finite {name} in chunk {chunk}, seed {config.seed + int(np.argmin(ok))}; "
-                      f"stopped, the files in {out} hold the chunks so far", file=sys.stderr)
+                print(
+                    f"{SCRIPT}: non-finite {name} in chunk {chunk}, seed {config.seed + int(np.argmin(ok))}; "
+                    f"stopped, the files in {out} hold the chunks so far",
+                    file=sys.stderr,
+                )
                 sys.exit(1)
         if stop.is_set():
             break
     train_seconds = time.perf_counter() - start
     signal.signal(signal.SIGINT, previous_handler)
-    summary = dict(train_seconds=train_seconds, compile_seconds=compile_seconds, env_steps=env_steps,
-                   env_steps_per_second=env_steps / train_seconds, updates=updates,
-                   updates_per_second=updates / train_seconds, stopped_early=chunk < size.num_chunks)
+    summary = dict(
+        train_seconds=train_seconds,
+        compile_seconds=compile_seconds,
+        env_steps=env_steps,
+        env_steps_per_second=env_steps / train_seconds,
+        updates=updates,
+        updates_per_second=updates / train_seconds,
+        stopped_early=chunk < size.num_chunks,
+    )
     return state.params, summary, rows
 
 
@@ -735,19 +951,30 @@ def main(config: Config) -> None:
         sys.exit(2)
 
     devices = jax.devices()
-    sharding = NamedSharding(Mesh(np.array(devices), ("seeds",)), PartitionSpec("seeds"))  # seed axis over devices
+    sharding = NamedSharding(
+        Mesh(np.array(devices), ("seeds",)), PartitionSpec("seeds")
+    )  # seed axis over devices
     device = f"{len(devices)} x {devices[0].device_kind}"
     out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "config.json",
-                 lambda temporary: temporary.write_text(json.dumps(dataclasses.asdict(config), indent=2)))
+    write_atomic(
+        out / "config.json",
+        lambda temporary: temporary.write_text(json.dumps(dataclasses.asdict(config), indent=2)),
+    )
     size, env_params = sizes(config), make_env(config)[1]
-    print(f"{SCRIPT}: {ENV_ID} {env_params.grid_size}x{env_params.grid_size} (truncated after "
-          f"{env_params.max_steps_without_food} steps without food), {config.network} network, on {device}, "
-          f"{config.num_seeds} seed(s) x {config.num_envs} envs"
-          + (" (all from the checkpoint)" if config.eval_only else f", {size.num_iterations} iterations of "
-             f"{size.batch_size} steps in {size.num_chunks} chunks ({size.env_steps:,} env steps per seed)")
-          + f"; outputs in {out}", flush=True)
+    print(
+        f"{SCRIPT}: {ENV_ID} {env_params.grid_size}x{env_params.grid_size} (truncated after "
+        f"{env_params.max_steps_without_food} steps without food), {config.network} network, on {device}, "
+        f"{config.num_seeds} seed(s) x {config.num_envs} envs"
+        + (
+            " (all from the checkpoint)"
+            if config.eval_only
+            else f", {size.num_iterations} iterations of "
+            f"{size.batch_size} steps in {size.num_chunks} chunks ({size.env_steps:,} env steps per seed)"
+        )
+        + f"; outputs in {out}",
+        flush=True,
+    )
     summary: dict[str, Any] = dict(eval_only=config.eval_only)
     if not config.eval_only:
         params, train_summary, rows = train_with_progress(config, sharding, out)
@@ -756,26 +983,49 @@ def main(config: Config) -> None:
             save_checkpoint(out / "model.msgpack", config, params)
 
     evaluate = jax.jit(jax.vmap(make_evaluate(config)))
-    eval_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(seed_keys(config))  # a stream apart from training
-    episodes = jax.device_get(evaluate(jax.device_put(params, sharding), jax.device_put(eval_keys, sharding)))
-    per_seed = {name: values.mean(axis=1) for name, values in episodes.items()}  # each [num_seeds, eval_episodes]
+    eval_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(
+        seed_keys(config)
+    )  # a stream apart from training
+    episodes = jax.device_get(
+        evaluate(jax.device_put(params, sharding), jax.device_put(eval_keys, sharding))
+    )
+    per_seed = {
+        name: values.mean(axis=1) for name, values in episodes.items()
+    }  # each [num_seeds, eval_episodes]
     scores = per_seed["score"]
-    print(f"greedy evaluation, {config.eval_episodes} episodes per seed: score {scores.mean():.2f}"
-          + (f" ± {scores.std():.2f} (min {scores.min():.2f})" if config.num_seeds > 1 else "")
-          + f", best game {episodes['score'].max()}, wins {episodes['won'].mean():.1%}, "
-          f"length {per_seed['episode_length'].mean():.0f} steps", flush=True)
+    print(
+        f"greedy evaluation, {config.eval_episodes} episodes per seed: score {scores.mean():.2f}"
+        + (f" ± {scores.std():.2f} (min {scores.min():.2f})" if config.num_seeds > 1 else "")
+        + f", best game {episodes['score'].max()}, wins {episodes['won'].mean():.1%}, "
+        f"length {per_seed['episode_length'].mean():.0f} steps",
+        flush=True,
+    )
     for name, values in [("return", per_seed["episode_return"]), ("score", scores)]:  # per seed
-        summary |= {f"final_{name}s": values.tolist(), f"final_{name}_mean": float(values.mean()),
-                    f"final_{name}_std": float(values.std())}
-    summary |= dict(final_win_fraction=float(episodes["won"].mean()), num_seeds=config.num_seeds,
-                    final_episode_length_mean=float(per_seed["episode_length"].mean()), num_envs=config.num_envs,
-                    eval_episodes=config.eval_episodes, device=device)
-    write_atomic(out / "summary.json", lambda temporary: temporary.write_text(json.dumps(summary, indent=2)))
+        summary |= {
+            f"final_{name}s": values.tolist(),
+            f"final_{name}_mean": float(values.mean()),
+            f"final_{name}_std": float(values.std()),
+        }
+    summary |= dict(
+        final_win_fraction=float(episodes["won"].mean()),
+        num_seeds=config.num_seeds,
+        final_episode_length_mean=float(per_seed["episode_length"].mean()),
+        num_envs=config.num_envs,
+        eval_episodes=config.eval_episodes,
+        device=device,
+    )
+    write_atomic(
+        out / "summary.json", lambda temporary: temporary.write_text(json.dumps(summary, indent=2))
+    )
     if config.plot and not config.eval_only:
         plot_curves(out / "curves.png", rows, config.env.grid_size)
     if config.capture_gif:
-        write_gif(out / "policy.gif", config, jax.device_get(jax.tree.map(lambda x: x[0], params)),
-                  jax.random.key(config.seed))
+        write_gif(
+            out / "policy.gif",
+            config,
+            jax.device_get(jax.tree.map(lambda x: x[0], params)),
+            jax.random.key(config.seed),
+        )
     print(f"wrote {', '.join(sorted(path.name for path in out.iterdir()))}")
 
 

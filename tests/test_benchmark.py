@@ -43,16 +43,35 @@ def test_train_and_seeds_write_rows_and_plots(tmp_path: Path) -> None:
         "1",
     )
     train = [row for row in rows if row["benchmark"] == "train_throughput"]
-    assert sorted((row["library"], row["num_envs"]) for row in train) == [("ppo_cartpole", 8), ("sac_pendulum", 8)]
+    assert sorted((row["library"], row["num_envs"]) for row in train) == [
+        ("ppo_cartpole", 8),
+        ("sac_pendulum", 8),
+    ]
     for row in train:
-        assert row["steps_per_second"] > 0 and row["updates_per_second"] > 0 and row["compile_seconds"] > 0
+        assert (
+            row["steps_per_second"] > 0
+            and row["updates_per_second"] > 0
+            and row["compile_seconds"] > 0
+        )
         # a chunk of 2 iterations: 2 vector steps (SAC) or 2 rollouts of num_steps (PPO)
-        assert row["chunk_steps"] == 2 * row["num_envs"] * (1 if row["library"] == "sac_pendulum" else 64)
+        assert row["chunk_steps"] == 2 * row["num_envs"] * (
+            1 if row["library"] == "sac_pendulum" else 64
+        )
     check_stamped(train)
     assert (tmp_path / "benchmark_train.png").stat().st_size > 0
 
     rows = benchmark(
-        output, "seeds", "--scripts", "ppo_cartpole", "--seeds", "1", "2", "--iterations", "1", "--repeats", "1"
+        output,
+        "seeds",
+        "--scripts",
+        "ppo_cartpole",
+        "--seeds",
+        "1",
+        "2",
+        "--iterations",
+        "1",
+        "--repeats",
+        "1",
     )
     seeds = [row for row in rows if row["benchmark"] == "seed_scaling"]
     assert len(rows) == len(train) + len(seeds)  # merged: the train rows are kept
@@ -74,7 +93,11 @@ def test_solve_reads_the_scripts_summary(tmp_path: Path) -> None:
         "--solve-flags=--total-timesteps 4096 --num-envs 8 --log-every 1024 --eval-episodes 1",
     )
     (row,) = rows
-    assert row["benchmark"] == "time_to_solve" and row["library"] == "ppo_cartpole" and row["runs"] == 1
+    assert (
+        row["benchmark"] == "time_to_solve"
+        and row["library"] == "ppo_cartpole"
+        and row["runs"] == 1
+    )
     assert row["solved_bar"] == 475.0 and row["num_envs"] == 8 and row["env_steps"] == 4096
     assert row["train_seconds"] > 0 and row["compile_seconds"] > 0
     assert len(row["final_returns"]) == 1 and row["solved_runs"] in (0, 1)
@@ -86,6 +109,8 @@ def test_first_crossing_seconds(tmp_path: Path) -> None:
     from benchmark import first_crossing_seconds
 
     csv = tmp_path / "metrics.csv"
-    csv.write_text("seed,env_steps,wall_seconds,episode_return\n0,100,1.5,nan\n0,200,2.5,480.0\n0,300,3.5,490\n")
+    csv.write_text(
+        "seed,env_steps,wall_seconds,episode_return\n0,100,1.5,nan\n0,200,2.5,480.0\n0,300,3.5,490\n"
+    )
     assert first_crossing_seconds(str(csv), 475.0) == 2.5
     assert first_crossing_seconds(str(csv), 495.0) is None

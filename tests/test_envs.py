@@ -51,7 +51,9 @@ def set_gymnasium_state(gym_env: Any, name: str, state: Any, elapsed_steps: int)
 
 
 def state_vector(name: str, state: Any) -> np.ndarray:
-    fields = ["x", "x_dot", "theta", "theta_dot"] if name == "CartPole-v1" else ["theta", "theta_dot"]
+    fields = (
+        ["x", "x_dot", "theta", "theta_dot"] if name == "CartPole-v1" else ["theta", "theta_dot"]
+    )
     return np.stack([np.asarray(getattr(state, field), np.float64) for field in fields], axis=-1)
 
 
@@ -105,7 +107,10 @@ def test_random_transitions_match_gymnasium(name):
     host_state = jax.tree.map(np.asarray, state)
     for index in range(count):
         set_gymnasium_state(
-            gym_env, name, jax.tree.map(lambda leaf, i=index: leaf[i], host_state), host_state.time[index]
+            gym_env,
+            name,
+            jax.tree.map(lambda leaf, i=index: leaf[i], host_state),
+            host_state.time[index],
         )
         obs, rew, term, trunc, _ = gym_env.step(actions[index])
         gym_next.append(np.array(gym_env.unwrapped.state, np.float64))
@@ -154,9 +159,13 @@ def test_rollouts_match_gymnasium(name, num_steps):
             action = balancing_action(np.asarray(obs), rng, 1.0 if first_episode else 0.1)
         else:
             action = rng.uniform(-2.0, 2.0, (1,)).astype(np.float32)
-        obs, state, reward, terminated, truncated, info = step(jax.random.key(1000 + t), state, action, params)
+        obs, state, reward, terminated, truncated, info = step(
+            jax.random.key(1000 + t), state, action, params
+        )
         gym_obs, gym_reward, gym_terminated, gym_truncated, _ = gym_env.step(action)
-        np.testing.assert_allclose(info["final_observation"], gym_obs, rtol=0, atol=TOLERANCE, err_msg=f"step {t}")
+        np.testing.assert_allclose(
+            info["final_observation"], gym_obs, rtol=0, atol=TOLERANCE, err_msg=f"step {t}"
+        )
         np.testing.assert_allclose(reward, gym_reward, rtol=0, atol=TOLERANCE, err_msg=f"step {t}")
         assert (bool(terminated), bool(truncated)) == (gym_terminated, gym_truncated), f"step {t}"
         if gym_terminated or gym_truncated:
@@ -199,7 +208,9 @@ def compiled_rollout(name: str):
     def rollout(key, state, actions, params):
         def body(state, inputs):
             key, action = inputs
-            obs, next_state, reward, terminated, truncated, info = env.step(key, state, action, params)
+            obs, next_state, reward, terminated, truncated, info = env.step(
+                key, state, action, params
+            )
             plain_obs, plain_state, _, _, _ = env.step_env(key, state, action, params)
             record = {
                 "state_before": state,
@@ -247,7 +258,11 @@ def is_fresh_reset(name: str, state: Any) -> np.ndarray:
             & (np.asarray(state.body).sum(axis=(1, 2)) == 1)
         )
     if name == "Pendulum-v1":
-        return (np.abs(state.theta) <= np.pi) & (np.abs(state.theta_dot) <= 1.0) & (np.asarray(state.last_u) == 0)
+        return (
+            (np.abs(state.theta) <= np.pi)
+            & (np.abs(state.theta_dot) <= 1.0)
+            & (np.asarray(state.last_u) == 0)
+        )
     theta = np.asarray(state.theta) - (np.pi if name == "CartPoleSwingup" else 0.0)
     values = np.stack([state.x, state.x_dot, theta, state.theta_dot], axis=-1)
     return np.all(np.abs(values) <= 0.05 + 1e-6, axis=-1)
@@ -258,7 +273,9 @@ def select(tree: Any, mask: np.ndarray) -> Any:
 
 
 def assert_trees_equal(actual: Any, expected: Any, err_msg: str = "") -> None:
-    for actual_leaf, expected_leaf in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    for actual_leaf, expected_leaf in zip(
+        jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
+    ):
         np.testing.assert_array_equal(actual_leaf, expected_leaf, err_msg=err_msg)
 
 
@@ -287,7 +304,9 @@ def check_rollout(name: str, record: dict, params: Any, limit: int) -> None:
     # ended on kept in final_observation.
     assert np.all(np.asarray(record["state"].time)[done] == 0)
     assert np.all(is_fresh_reset(name, select(record["state"], done)))
-    np.testing.assert_array_equal(np.asarray(record["final_observation"])[done], np.asarray(record["plain_obs"])[done])
+    np.testing.assert_array_equal(
+        np.asarray(record["final_observation"])[done], np.asarray(record["plain_obs"])[done]
+    )
     # Truncation is the time limit (Snake: steps without food), never reported as termination.
     plain = record["plain_state"]
     clock = plain.steps_since_food if name == "Snake" else plain.time
@@ -340,7 +359,9 @@ def test_jit_and_vmap_match_a_python_loop(name):
         actions = rng.integers(0, env.num_actions, (num_seeds, num_steps)).astype(np.int32)
     reset_keys, run_keys = key_batch(4, num_seeds), key_batch(5, num_seeds)
     _, states = jax.vmap(env.reset, in_axes=(0, None))(reset_keys, params)
-    batched = jax.vmap(compiled_rollout(name), in_axes=(0, 0, 0, None))(run_keys, states, jnp.asarray(actions), params)
+    batched = jax.vmap(compiled_rollout(name), in_axes=(0, 0, 0, None))(
+        run_keys, states, jnp.asarray(actions), params
+    )
     seed = 1
     _, state = env.reset(reset_keys[seed], params)
     single = compiled_rollout(name)(run_keys[seed], state, jnp.asarray(actions[seed]), params)
@@ -355,7 +376,9 @@ def test_jit_and_vmap_match_a_python_loop(name):
     for jitted in (single, jax.tree.map(lambda leaf: leaf[seed], batched)):
         np.testing.assert_allclose(jitted["obs"], np.stack(loop_obs), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(jitted["reward"], np.stack(loop_rewards), rtol=1e-6, atol=1e-6)
-        for actual, expected in zip(jax.tree.leaves(jitted["state"]), jax.tree.leaves(loop_states), strict=True):
+        for actual, expected in zip(
+            jax.tree.leaves(jitted["state"]), jax.tree.leaves(loop_states), strict=True
+        ):
             np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -373,7 +396,11 @@ def test_shapes_and_dtypes_are_fixed(name):
         lambda leaf: (leaf.shape, leaf.dtype), next_state
     )
     assert (reward.shape, reward.dtype) == ((), jnp.float32)
-    assert (terminated.shape, terminated.dtype) == (truncated.shape, truncated.dtype) == ((), jnp.bool_)
+    assert (
+        (terminated.shape, terminated.dtype)
+        == (truncated.shape, truncated.dtype)
+        == ((), jnp.bool_)
+    )
     assert env.name == name
 
 
@@ -385,8 +412,12 @@ def test_nan_and_infinite_actions_are_safe(name):
     step = jax.jit(env.step_env)
     bound = env.action_space(params).high[0]
     for action, equivalent in [(np.nan, 0.0), (np.inf, bound), (-np.inf, -bound), (1e30, bound)]:
-        _, actual, reward, _, _ = step(jax.random.key(1), state, jnp.array([action], jnp.float32), params)
-        _, expected, expected_reward, _, _ = step(jax.random.key(1), state, jnp.array([equivalent]), params)
+        _, actual, reward, _, _ = step(
+            jax.random.key(1), state, jnp.array([action], jnp.float32), params
+        )
+        _, expected, expected_reward, _, _ = step(
+            jax.random.key(1), state, jnp.array([equivalent]), params
+        )
         assert_trees_equal(actual, expected, err_msg=f"action {action}")
         assert reward == expected_reward
 
@@ -397,7 +428,9 @@ def test_make_and_spaces():
     for name in ENV_NAMES:
         env, params = envs.make(name)
         space = env.action_space(params)
-        samples_inside = jax.jit(lambda keys, space=space: jax.vmap(space.contains)(jax.vmap(space.sample)(keys)))
+        samples_inside = jax.jit(
+            lambda keys, space=space: jax.vmap(space.contains)(jax.vmap(space.sample)(keys))
+        )
         assert bool(samples_inside(key_batch(0, 256)).all())
         assert env.num_actions == (space.n if hasattr(space, "n") else space.shape[0])
 
@@ -409,7 +442,9 @@ def test_make_and_spaces():
 UP, RIGHT, DOWN, LEFT = 0, 1, 2, 3
 
 
-def snake_state(size: int, cells: list[tuple[int, int]], food: tuple[int, int], direction: int, **fields) -> Any:
+def snake_state(
+    size: int, cells: list[tuple[int, int]], food: tuple[int, int], direction: int, **fields
+) -> Any:
     """A board with the snake on `cells` (head first) and food at `food`."""
     body = np.zeros((size, size), np.int32)
     for age, (row, col) in enumerate(cells):
@@ -435,12 +470,16 @@ def snake_step(size: int, auto_reset: bool = False):
 
 
 def occupied(state: Any) -> set[tuple[int, int]]:
-    return {(int(row), int(col)) for row, col in zip(*np.nonzero(np.asarray(state.body)), strict=True)}
+    return {
+        (int(row), int(col)) for row, col in zip(*np.nonzero(np.asarray(state.body)), strict=True)
+    }
 
 
 def test_snake_grows_by_one_per_food_and_food_reappears_uniformly_on_a_free_cell():
     size = 5
-    state = snake_state(size, [(2, 2), (2, 1), (2, 0)], food=(2, 3), direction=RIGHT, steps_since_food=7)
+    state = snake_state(
+        size, [(2, 2), (2, 1), (2, 0)], food=(2, 3), direction=RIGHT, steps_since_food=7
+    )
     count = 10500
     step = jax.jit(jax.vmap(snake_step(size), in_axes=(0, None, None)))
     _, after, reward, terminated, info = step(key_batch(0, count), state, RIGHT)
@@ -465,14 +504,18 @@ def test_snake_food_on_an_almost_full_board():
     path = [(0, 0), (0, 1), (0, 2), (1, 2), (1, 1), (1, 0), (2, 0), (2, 1), (2, 2)]
     # Snake on path[2:] heading towards path[1] (food); path[0] stays free.
     state = snake_state(3, path[2:], food=path[1], direction=UP)
-    _, after, reward, terminated, _ = jax.vmap(snake_step(3), in_axes=(0, None, None))(key_batch(1, 64), state, LEFT)
+    _, after, reward, terminated, _ = jax.vmap(snake_step(3), in_axes=(0, None, None))(
+        key_batch(1, 64), state, LEFT
+    )
     assert np.all(reward == 1.0) and not np.any(terminated)
     np.testing.assert_array_equal(after.food, np.tile([0, 0], (64, 1)))
 
 
 def serpentine(size: int) -> list[tuple[int, int]]:
     """Every cell of the grid, row by row, alternating direction: a path through the board."""
-    return [(row, col if row % 2 == 0 else size - 1 - col) for row in range(size) for col in range(size)]
+    return [
+        (row, col if row % 2 == 0 else size - 1 - col) for row in range(size) for col in range(size)
+    ]
 
 
 @pytest.mark.parametrize("size", [3, 4])
@@ -486,7 +529,9 @@ def test_snake_wins_on_a_full_board(size):
     np.testing.assert_array_equal(after.head, path[0])
     assert np.all(np.asarray(obs)[..., 1] > 0)  # body recency covers the board
     # Through the auto-resetting step: a new game, with the full board kept for bootstrapping.
-    obs, reset, reward, terminated, truncated, info = snake_step(size, auto_reset=True)(jax.random.key(0), state, LEFT)
+    obs, reset, reward, terminated, truncated, info = snake_step(size, auto_reset=True)(
+        jax.random.key(0), state, LEFT
+    )
     assert bool(terminated) and not bool(truncated) and float(reward) == 1.0
     assert int(reset.length) == 1 and int(reset.time) == 0
     assert np.all(np.asarray(info["final_observation"])[..., 1] > 0)
@@ -497,7 +542,11 @@ def test_snake_dies_at_the_wall():
     _, after, reward, terminated, info = snake_step(5)(jax.random.key(0), state, UP)
     assert float(reward) == -1.0 and bool(terminated) and not bool(info["won"])
     assert_trees_equal(after.body, state.body)  # a dying snake does not move
-    for action, edge in [(LEFT, [(2, 0), (2, 1)]), (DOWN, [(4, 1), (3, 1)]), (RIGHT, [(1, 4), (1, 3)])]:
+    for action, edge in [
+        (LEFT, [(2, 0), (2, 1)]),
+        (DOWN, [(4, 1), (3, 1)]),
+        (RIGHT, [(1, 4), (1, 3)]),
+    ]:
         state = snake_state(5, edge, food=(0, 0), direction=action)
         _, _, reward, terminated, _ = snake_step(5)(jax.random.key(0), state, action)
         assert float(reward) == -1.0 and bool(terminated), action
@@ -538,7 +587,9 @@ def test_snake_truncates_after_max_steps_without_food():
     limit = envs.SnakeParams().max_steps_without_food
     step = snake_step(5, auto_reset=True)
     for steps_since_food, expect_truncated in [(limit - 2, False), (limit - 1, True)]:
-        state = snake_state(5, [(2, 2)], food=(0, 0), direction=RIGHT, steps_since_food=steps_since_food, time=150)
+        state = snake_state(
+            5, [(2, 2)], food=(0, 0), direction=RIGHT, steps_since_food=steps_since_food, time=150
+        )
         _, after, reward, terminated, truncated, info = step(jax.random.key(0), state, RIGHT)
         assert bool(truncated) == expect_truncated and not bool(terminated) and float(reward) == 0.0
         assert int(after.time) == (0 if expect_truncated else 151)
@@ -552,7 +603,9 @@ def test_snake_observation_channels():
     head, recency, food = obs[..., 0], obs[..., 1], obs[..., 2]
     assert head[2, 2] == 1.0 and head.sum() == 1.0
     assert food[4, 0] == 1.0 and food.sum() == 1.0
-    np.testing.assert_allclose([recency[2, 2], recency[2, 1], recency[1, 1]], [1.0, 2 / 3, 1 / 3], rtol=1e-6)
+    np.testing.assert_allclose(
+        [recency[2, 2], recency[2, 1], recency[1, 1]], [1.0, 2 / 3, 1 / 3], rtol=1e-6
+    )
     assert recency.sum() == pytest.approx(2.0)
 
 
@@ -561,7 +614,9 @@ def test_snake_observation_channels():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "limit"), [("CartPole-v1", 500), ("Pendulum-v1", 30), ("Snake", 20)])
+@pytest.mark.parametrize(
+    ("name", "limit"), [("CartPole-v1", 500), ("Pendulum-v1", 30), ("Snake", 20)]
+)
 def test_episode_stats_report_the_sums_over_each_episode(name, limit):
     base, params = envs.make(name)
     env = envs.EpisodeStats(base)
@@ -574,7 +629,9 @@ def test_episode_stats_report_the_sums_over_each_episode(name, limit):
 
         def body(state, key):
             key_action, key_step = jax.random.split(key)
-            actions = jax.vmap(base.action_space(params).sample)(jax.random.split(key_action, num_envs))
+            actions = jax.vmap(base.action_space(params).sample)(
+                jax.random.split(key_action, num_envs)
+            )
             step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
             _, state, reward, terminated, truncated, info = step(
                 jax.random.split(key_step, num_envs), state, actions, params
@@ -592,12 +649,17 @@ def test_episode_stats_report_the_sums_over_each_episode(name, limit):
             episode_return += float(rewards[t, env_index])
             episode_length += 1
             if dones[t, env_index]:
-                assert info["episode_return"][t, env_index] == pytest.approx(episode_return, rel=1e-5, abs=1e-4)
+                assert info["episode_return"][t, env_index] == pytest.approx(
+                    episode_return, rel=1e-5, abs=1e-4
+                )
                 assert info["episode_length"][t, env_index] == episode_length
                 episode_return, episode_length = 0.0, 0
                 completed += 1
             else:
-                assert info["episode_return"][t, env_index] == 0 and info["episode_length"][t, env_index] == 0
+                assert (
+                    info["episode_return"][t, env_index] == 0
+                    and info["episode_length"][t, env_index] == 0
+                )
     assert completed >= num_envs
 
 
@@ -608,7 +670,10 @@ def test_renderers_draw_uint8_frames_and_vmap(name):
     if name == "Snake":  # a longer snake, to draw a body
         states = jax.tree.map(
             lambda *leaves: jnp.stack(leaves),
-            *[snake_state(10, [(2, 2 + i), (2, 1 + i), (3, 1 + i)], food=(7, i), direction=RIGHT) for i in range(3)],
+            *[
+                snake_state(10, [(2, 2 + i), (2, 1 + i), (3, 1 + i)], food=(7, i), direction=RIGHT)
+                for i in range(3)
+            ],
         )
     else:  # different positions, so that the frames differ
         field = "x" if name.startswith("CartPole") else "theta"
@@ -619,7 +684,9 @@ def test_renderers_draw_uint8_frames_and_vmap(name):
     assert frames.ndim == 4 and frames.shape[-1] == 3 and frames.shape[1:] == single.shape
     np.testing.assert_array_equal(frames[0], single)
     for frame in frames:
-        assert len(np.unique(frame.reshape(-1, 3), axis=0)) >= 3  # background and two shapes at least
+        assert (
+            len(np.unique(frame.reshape(-1, 3), axis=0)) >= 3
+        )  # background and two shapes at least
     assert not np.array_equal(frames[0], frames[1]) and not np.array_equal(frames[1], frames[2])
     wrapped = envs.EpisodeStats(env)
     _, wrapped_state = wrapped.reset(jax.random.key(0), params)
@@ -635,9 +702,25 @@ def test_benchmark_envs_writes_rows_and_keeps_other_rows(tmp_path, monkeypatch):
     import benchmark
 
     output = tmp_path / "benchmarks.json"
-    other = {"benchmark": "train_throughput", "library": "some_script", "env": "x", "num_envs": 2, "device": "d"}
+    other = {
+        "benchmark": "train_throughput",
+        "library": "some_script",
+        "env": "x",
+        "num_envs": 2,
+        "device": "d",
+    }
     benchmark.merge_rows(str(output), [other], benchmark.ROW_KEY)
-    argv = ["benchmark.py", "--output", str(output), "envs", "--num-envs", "2", "--quick", "--repeats", "2"]
+    argv = [
+        "benchmark.py",
+        "--output",
+        str(output),
+        "envs",
+        "--num-envs",
+        "2",
+        "--quick",
+        "--repeats",
+        "2",
+    ]
     monkeypatch.setattr("sys.argv", [*argv, "--envs", "CartPole-v1", "Snake", "--no-reference"])
     benchmark.main()
     rows = json.loads(output.read_text())["rows"]
@@ -646,7 +729,11 @@ def test_benchmark_envs_writes_rows_and_keeps_other_rows(tmp_path, monkeypatch):
     assert sorted(row["env"] for row in measured) == ["CartPole-v1", "Snake"]
     for row in measured:
         assert row["library"] == "ours" and row["num_envs"] == 2 and row["repeats"] == 2
-        assert row["steps_per_second"] > 0 and row["compile_seconds"] > 0 and len(row["steps_per_second_runs"]) == 2
+        assert (
+            row["steps_per_second"] > 0
+            and row["compile_seconds"] > 0
+            and len(row["steps_per_second_runs"]) == 2
+        )
         assert row["device"] and row["jax_version"] == jax.__version__ and row["date"]
     assert (tmp_path / "benchmark_envs.png").stat().st_size > 0
     # A second run replaces rows with the same key instead of adding duplicates.

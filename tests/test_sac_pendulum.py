@@ -21,12 +21,38 @@ import sac_pendulum as sac
 
 SCRIPT = Path(__file__).resolve().parents[1] / "sac_pendulum.py"
 # A run small enough to compile and train in seconds, with several chunks and real updates.
-TINY = sac.Config(num_envs=4, total_timesteps=384, log_every=64, learning_starts=64, batch_size=16,
-                  hidden_sizes=(16, 16), buffer_size=256, eval_episodes=4,
-                  env=sac.EnvConfig(max_steps_in_episode=20))
-TINY_FLAGS = ["--num-envs", "4", "--total-timesteps", "384", "--log-every", "64", "--learning-starts", "64",
-              "--batch-size", "16", "--hidden-sizes", "16", "16", "--buffer-size", "256", "--eval-episodes", "4",
-              "--env.max-steps-in-episode", "20"]
+TINY = sac.Config(
+    num_envs=4,
+    total_timesteps=384,
+    log_every=64,
+    learning_starts=64,
+    batch_size=16,
+    hidden_sizes=(16, 16),
+    buffer_size=256,
+    eval_episodes=4,
+    env=sac.EnvConfig(max_steps_in_episode=20),
+)
+TINY_FLAGS = [
+    "--num-envs",
+    "4",
+    "--total-timesteps",
+    "384",
+    "--log-every",
+    "64",
+    "--learning-starts",
+    "64",
+    "--batch-size",
+    "16",
+    "--hidden-sizes",
+    "16",
+    "16",
+    "--buffer-size",
+    "256",
+    "--eval-episodes",
+    "4",
+    "--env.max-steps-in-episode",
+    "20",
+]
 
 
 def transitions(rewards, obs_dim=3, action_dim=1) -> sac.Transition:
@@ -34,8 +60,13 @@ def transitions(rewards, obs_dim=3, action_dim=1) -> sac.Transition:
     rewards = jnp.asarray(rewards, jnp.float32)
     n = rewards.shape[0]
     column = rewards[:, None]
-    return sac.Transition(obs=jnp.tile(column, (1, obs_dim)), action=jnp.tile(column, (1, action_dim)),
-                          reward=rewards, next_obs=jnp.tile(column + 0.5, (1, obs_dim)), terminated=jnp.zeros(n))
+    return sac.Transition(
+        obs=jnp.tile(column, (1, obs_dim)),
+        action=jnp.tile(column, (1, action_dim)),
+        reward=rewards,
+        next_obs=jnp.tile(column + 0.5, (1, obs_dim)),
+        terminated=jnp.zeros(n),
+    )
 
 
 # ---- replay buffer ----
@@ -53,10 +84,14 @@ def test_buffer_add_wraps_around():
 
 
 def test_buffer_samples_only_filled_slots_and_all_of_them():
-    buffer = sac.buffer_add(sac.buffer_init(capacity=100, obs_dim=3, action_dim=1), transitions(np.arange(1, 11)))
+    buffer = sac.buffer_add(
+        sac.buffer_init(capacity=100, obs_dim=3, action_dim=1), transitions(np.arange(1, 11))
+    )
     batch = sac.buffer_sample(buffer, jax.random.key(0), batch_size=2000)
-    chex.assert_shape([batch.obs, batch.next_obs, batch.action, batch.reward, batch.terminated],
-                      [(2000, 3), (2000, 3), (2000, 1), (2000,), (2000,)])
+    chex.assert_shape(
+        [batch.obs, batch.next_obs, batch.action, batch.reward, batch.terminated],
+        [(2000, 3), (2000, 3), (2000, 1), (2000,), (2000,)],
+    )
     counts = np.bincount(np.asarray(batch.reward, int), minlength=11)
     assert counts[0] == 0 and counts.sum() == 2000  # the 90 empty (zero) slots are never drawn
     assert counts[1:].min() > 140 and counts[1:].max() < 260  # about 200 each
@@ -66,7 +101,9 @@ def test_buffer_add_is_donated_not_copied():
     add = jax.jit(sac.buffer_add, donate_argnums=0)
     buffer = sac.buffer_init(capacity=1000, obs_dim=3, action_dim=1)
     new = add(buffer, transitions([1.0, 2.0]))
-    assert buffer.data.obs.is_deleted()  # the input was given to the call, which updated it in place
+    assert (
+        buffer.data.obs.is_deleted()
+    )  # the input was given to the call, which updated it in place
     np.testing.assert_array_equal(new.data.reward[:3], [1, 2, 0])
 
 
@@ -77,7 +114,9 @@ def test_td_target_by_hand():
     batch = transitions([1.0, -2.0])
     batch = batch.replace(terminated=jnp.array([0.0, 1.0]))
     next_q = jnp.array([[10.0, 3.0], [8.0, 5.0]])  # [critic, batch]
-    target = sac.td_target(batch, next_q, next_log_prob=jnp.array([-1.0, 2.0]), alpha=0.5, gamma=0.9)
+    target = sac.td_target(
+        batch, next_q, next_log_prob=jnp.array([-1.0, 2.0]), alpha=0.5, gamma=0.9
+    )
     # first: 1 + 0.9 * (min(10, 8) - 0.5 * -1) = 8.65; second terminated: -2
     np.testing.assert_allclose(target, [8.65, -2.0], rtol=1e-6)
 
@@ -102,11 +141,13 @@ def test_critic_loss_by_hand():
 
 def test_actor_and_alpha_losses_by_hand():
     def policy(params, obs, noise):  # action = m + noise, log_prob = -noise^2 (a stand-in)
-        return params["m"] + noise, -noise[:, 0] ** 2
+        return params["m"] + noise, -(noise[:, 0] ** 2)
 
     obs, noise = jnp.zeros((2, 3)), jnp.array([[1.0], [-2.0]])
     critic_params = {"w": jnp.array([1.0, 3.0])}
-    loss, log_prob = sac.actor_loss({"m": jnp.array([0.5])}, critic_params, obs, noise, 0.1, policy, linear_q_values)
+    loss, log_prob = sac.actor_loss(
+        {"m": jnp.array([0.5])}, critic_params, obs, noise, 0.1, policy, linear_q_values
+    )
     # actions 1.5, -1.5; min over critics of w * a: 1.5 and -4.5; log_probs -1, -4
     np.testing.assert_allclose(log_prob, [-1.0, -4.0])
     np.testing.assert_allclose(loss, np.mean([0.1 * -1 - 1.5, 0.1 * -4 + 4.5]), rtol=1e-6)
@@ -119,7 +160,9 @@ def test_actor_and_alpha_losses_by_hand():
 def test_squashed_log_prob_matches_float64_change_of_variables():
     mean, log_std, scale = 0.3, np.log(0.7), 2.0
     pre_tanh = np.array([-20.0, -9.0, -3.0, -0.5, 0.0, 0.4, 2.5, 8.0, 20.0])
-    got = sac.squashed_gaussian_log_prob(jnp.asarray(pre_tanh[:, None], jnp.float32), mean, log_std, scale)
+    got = sac.squashed_gaussian_log_prob(
+        jnp.asarray(pre_tanh[:, None], jnp.float32), mean, log_std, scale
+    )
     std = np.exp(log_std)
     gaussian = -0.5 * ((pre_tanh - mean) / std) ** 2 - np.log(std) - 0.5 * np.log(2 * np.pi)
     # |da/du| for a = scale * tanh(u): in float64, from a central difference where it resolves,
@@ -128,8 +171,12 @@ def test_squashed_log_prob_matches_float64_change_of_variables():
     reference = gaussian - (np.log(scale) - 2 * log_cosh)
     h = 1e-6
     moderate = np.abs(pre_tanh) <= 3
-    jacobian = (scale * np.tanh(pre_tanh[moderate] + h) - scale * np.tanh(pre_tanh[moderate] - h)) / (2 * h)
-    np.testing.assert_allclose(gaussian[moderate] - np.log(jacobian), reference[moderate], rtol=1e-7)
+    jacobian = (
+        scale * np.tanh(pre_tanh[moderate] + h) - scale * np.tanh(pre_tanh[moderate] - h)
+    ) / (2 * h)
+    np.testing.assert_allclose(
+        gaussian[moderate] - np.log(jacobian), reference[moderate], rtol=1e-7
+    )
     assert np.all(np.isfinite(got))  # the naive log(1 - tanh(u)^2) is -inf at |u| = 20 in float32
     np.testing.assert_allclose(got, reference, rtol=2e-5, atol=1e-4)
 
@@ -139,16 +186,26 @@ def test_squashed_density_integrates_to_one():
     mean, log_std, scale, offset = -0.4, np.log(0.8), 2.0, 0.0
     actions = np.linspace(-scale, scale, 200_001)[1:-1]
     pre_tanh = np.arctanh((actions - offset) / scale)
-    density = np.exp(sac.squashed_gaussian_log_prob(jnp.asarray(pre_tanh[:, None], jnp.float32), mean, log_std, scale))
+    density = np.exp(
+        sac.squashed_gaussian_log_prob(
+            jnp.asarray(pre_tanh[:, None], jnp.float32), mean, log_std, scale
+        )
+    )
     np.testing.assert_allclose(np.trapezoid(density, actions), 1.0, atol=1e-3)
 
 
 def test_sample_is_reparameterised_and_in_bounds():
     noise = jax.random.normal(jax.random.key(0), (1000, 1))
-    action, log_prob = sac.squashed_gaussian_sample(jnp.zeros((1000, 1)), jnp.full((1000, 1), 1.0), noise, 2.0, 0.0)
+    action, log_prob = sac.squashed_gaussian_sample(
+        jnp.zeros((1000, 1)), jnp.full((1000, 1), 1.0), noise, 2.0, 0.0
+    )
     assert action.shape == (1000, 1) and log_prob.shape == (1000,)
     assert float(jnp.abs(action).max()) <= 2.0
-    grad = jax.grad(lambda m: sac.squashed_gaussian_sample(m, jnp.zeros((1, 1)), jnp.ones((1, 1)), 2.0, 0.0)[0].sum())
+    grad = jax.grad(
+        lambda m: sac.squashed_gaussian_sample(m, jnp.zeros((1, 1)), jnp.ones((1, 1)), 2.0, 0.0)[
+            0
+        ].sum()
+    )
     np.testing.assert_allclose(grad(jnp.zeros((1, 1))), 2.0 / np.cosh(1.0) ** 2, rtol=1e-5)
 
 
@@ -156,11 +213,18 @@ def test_sample_is_reparameterised_and_in_bounds():
 
 
 def test_time_limit_transitions_bootstrap_from_the_final_observation():
-    config = dataclasses.replace(TINY, env=sac.EnvConfig(max_steps_in_episode=3), learning_starts=64)
+    config = dataclasses.replace(
+        TINY, env=sac.EnvConfig(max_steps_in_episode=3), learning_starts=64
+    )
     init, run_chunk, _ = sac.make_train(config)
-    state, metrics = jax.jit(run_chunk)(jax.jit(init)(jax.random.key(0)), 0)  # 16 iterations, 4 envs
+    state, metrics = jax.jit(run_chunk)(
+        jax.jit(init)(jax.random.key(0)), 0
+    )  # 16 iterations, 4 envs
     data = state.buffer.data
-    obs, next_obs = np.asarray(data.obs[:64]).reshape(16, 4, 3), np.asarray(data.next_obs[:64]).reshape(16, 4, 3)
+    obs, next_obs = (
+        np.asarray(data.obs[:64]).reshape(16, 4, 3),
+        np.asarray(data.next_obs[:64]).reshape(16, 4, 3),
+    )
     np.testing.assert_array_equal(data.terminated[:64], 0.0)  # Pendulum never terminates
     continues = np.arange(15) % 3 != 2  # steps 2, 5, ... end an episode (then the env resets)
     np.testing.assert_array_equal(next_obs[:-1][continues], obs[1:][continues])
@@ -182,11 +246,22 @@ def test_vmapped_seed_equals_single_run_and_seeds_differ(two_seed_run):
     assert metrics.episode_return.shape == (2, sac.chunk_counts(config)[1])
     assert int(state.learner.updates[0]) > 50  # it did train
     single_state, single_metrics = jax.jit(train)(jax.random.key(4))  # seed 3 + 1 alone
-    chex.assert_trees_all_close(jax.tree.map(lambda x: x[1], state.learner.actor_params),
-                                single_state.learner.actor_params, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(metrics.losses.critic_loss[1], single_metrics.losses.critic_loss, rtol=1e-3)
-    first, second = jax.tree.map(lambda x: x[0], state.learner.actor_params), single_state.learner.actor_params
-    assert not np.allclose(jax.flatten_util.ravel_pytree(first)[0], jax.flatten_util.ravel_pytree(second)[0])
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda x: x[1], state.learner.actor_params),
+        single_state.learner.actor_params,
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        metrics.losses.critic_loss[1], single_metrics.losses.critic_loss, rtol=1e-3
+    )
+    first, second = (
+        jax.tree.map(lambda x: x[0], state.learner.actor_params),
+        single_state.learner.actor_params,
+    )
+    assert not np.allclose(
+        jax.flatten_util.ravel_pytree(first)[0], jax.flatten_util.ravel_pytree(second)[0]
+    )
 
 
 def test_cli_chunk_loop_equals_train(two_seed_run):
@@ -197,39 +272,62 @@ def test_cli_chunk_loop_equals_train(two_seed_run):
     chunk = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)))
     for index in range(sac.chunk_counts(config)[1]):
         loop_state, loop_metrics = chunk(loop_state, index)
-    chex.assert_trees_all_close(loop_state.learner.actor_params, state.learner.actor_params, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(loop_metrics.episode_return, metrics.episode_return[:, -1], rtol=1e-4)
+    chex.assert_trees_all_close(
+        loop_state.learner.actor_params, state.learner.actor_params, rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        loop_metrics.episode_return, metrics.episode_return[:, -1], rtol=1e-4
+    )
 
 
 # ---- the command line contract (subprocesses) ----
 
 
 def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})}, **kwargs)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        **kwargs,
+    )
 
 
 def test_help_lists_every_option():
     result = run("--help")
     assert result.returncode == 0
-    for flag in ["--seed", "--num-seeds", "--num-envs", "--learning-rate", "--tau", "--updates-per-step",
-                 "--max-grad-norm", "--no-capture-gif", "--eval-only", "--env.max-torque"]:
+    for flag in [
+        "--seed",
+        "--num-seeds",
+        "--num-envs",
+        "--learning-rate",
+        "--tau",
+        "--updates-per-step",
+        "--max-grad-norm",
+        "--no-capture-gif",
+        "--eval-only",
+        "--env.max-torque",
+    ]:
         assert flag in result.stdout
 
 
-@pytest.mark.parametrize("flags, name", [
-    (["--gamma", "1.5"], "--gamma"),
-    (["--batch-size", "512", "--buffer-size", "256"], "--batch-size"),
-    (["--total-timesteps", "10"], "--total-timesteps"),
-    (["--learning-starts", "40000"], "--learning-starts"),
-    (["--env.dt", "0"], "--env.dt"),
-    (["--eval-only"], "--load-model"),
-    (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
-    (["--no-such-flag", "3"], "--no-such-flag"),
-    (["--num-envz", "3"], "perhaps you meant --num-envs"),
-    (["--num-envs", "many"], "--num-envs"),
-    (["--env.no-such-option", "1"], "--env.no-such-option"),
-])
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--gamma", "1.5"], "--gamma"),
+        (["--batch-size", "512", "--buffer-size", "256"], "--batch-size"),
+        (["--total-timesteps", "10"], "--total-timesteps"),
+        (["--learning-starts", "40000"], "--learning-starts"),
+        (["--env.dt", "0"], "--env.dt"),
+        (["--eval-only"], "--load-model"),
+        (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
+        (["--no-such-flag", "3"], "--no-such-flag"),
+        (["--num-envz", "3"], "perhaps you meant --num-envs"),
+        (["--num-envs", "many"], "--num-envs"),
+        (["--env.no-such-option", "1"], "--env.no-such-option"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(flags, name, capsys, monkeypatch):
     """In process (parse_config and main, which validates before compiling anything)."""
     monkeypatch.setattr(sac.jax, "jit", None)  # nothing may be compiled on the way to the error
@@ -243,7 +341,9 @@ def test_bad_flags_exit_2_with_one_line(flags, name, capsys, monkeypatch):
 def test_bad_flags_from_the_command_line():
     for flags, name in [(["--tau", "2"], "--tau"), (["--no-such-flag"], "--no-such-flag")]:
         result = run(*flags)
-        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, (
+            result.stderr
+        )
         assert name in result.stderr and "Traceback" not in result.stderr
 
 
@@ -257,51 +357,102 @@ def finished_run(tmp_path_factory):
 
 def test_run_writes_every_output(finished_run):
     out, result = finished_run
-    assert "replay buffer" in result.stdout and "compiled in" in result.stdout and "SPS" in result.stdout
-    for name in ["config.json", "metrics.csv", "summary.json", "curves.png", "policy.gif", "model.msgpack"]:
+    assert (
+        "replay buffer" in result.stdout
+        and "compiled in" in result.stdout
+        and "SPS" in result.stdout
+    )
+    for name in [
+        "config.json",
+        "metrics.csv",
+        "summary.json",
+        "curves.png",
+        "policy.gif",
+        "model.msgpack",
+    ]:
         assert (out / name).stat().st_size > 0, name
     assert not list(out.glob(".*tmp*"))  # no temporary files left behind
     assert json.loads((out / "config.json").read_text())["num_seeds"] == 2
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert list(rows[0]) == sac.CSV_COLUMNS
-    assert len(rows) == 2 * sac.chunk_counts(TINY)[1] and {row["seed"] for row in rows} == {"5", "6"}
+    assert len(rows) == 2 * sac.chunk_counts(TINY)[1] and {row["seed"] for row in rows} == {
+        "5",
+        "6",
+    }
     summary = json.loads((out / "summary.json").read_text())
-    for key in ["final_returns", "final_return_mean", "final_return_std", "train_seconds", "compile_seconds",
-                "env_steps_per_second", "updates_per_second", "num_seeds", "num_envs", "device"]:
+    for key in [
+        "final_returns",
+        "final_return_mean",
+        "final_return_std",
+        "train_seconds",
+        "compile_seconds",
+        "env_steps_per_second",
+        "updates_per_second",
+        "num_seeds",
+        "num_envs",
+        "device",
+    ]:
         assert key in summary, key
     assert len(summary["final_returns"]) == 2 and summary["updates_per_second"] > 0
 
 
 def test_same_seed_gives_identical_metrics(finished_run, tmp_path):
     out, _ = finished_run
-    result = run(*TINY_FLAGS, "--num-seeds", "2", "--seed", "5", "--output-dir", str(tmp_path), "--no-plot",
-                 "--no-capture-gif", "--no-save-model")
+    result = run(
+        *TINY_FLAGS,
+        "--num-seeds",
+        "2",
+        "--seed",
+        "5",
+        "--output-dir",
+        str(tmp_path),
+        "--no-plot",
+        "--no-capture-gif",
+        "--no-save-model",
+    )
     assert result.returncode == 0, result.stderr
     timing = {"wall_seconds", "sps"}
-    strip = lambda path: [{k: v for k, v in row.items() if k not in timing} for row in csv.DictReader(path.open())]  # noqa: E731
+    strip = lambda path: [
+        {k: v for k, v in row.items() if k not in timing} for row in csv.DictReader(path.open())
+    ]  # noqa: E731
     assert strip(out / "metrics.csv") == strip(tmp_path / "metrics.csv")
 
 
 def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path):
     """The checkpoint brings its env (a 20-step limit here), network and seeds; no flags needed."""
     out, _ = finished_run
-    result = run("--eval-only", "--load-model", str(out / "model.msgpack"), "--eval-episodes", "4",
-                 "--output-dir", str(tmp_path))
+    result = run(
+        "--eval-only",
+        "--load-model",
+        str(out / "model.msgpack"),
+        "--eval-episodes",
+        "4",
+        "--output-dir",
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
     saved = json.loads((out / "summary.json").read_text())["final_returns"]
     assert json.loads((tmp_path / "summary.json").read_text())["final_returns"] == saved
-    assert (tmp_path / "policy.gif").stat().st_size > 0 and not (tmp_path / "model.msgpack").exists()
+    assert (tmp_path / "policy.gif").stat().st_size > 0 and not (
+        tmp_path / "model.msgpack"
+    ).exists()
 
 
 def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
     out, _ = finished_run
     payload = flax.serialization.msgpack_restore((out / "model.msgpack").read_bytes())
     other = tmp_path / "other.msgpack"
-    other.write_bytes(flax.serialization.msgpack_serialize({**payload, "script": "sac_cartpole",
-                                                             "env_id": "CartPoleContinuous"}))
+    other.write_bytes(
+        flax.serialization.msgpack_serialize(
+            {**payload, "script": "sac_cartpole", "env_id": "CartPoleContinuous"}
+        )
+    )
     garbage = tmp_path / "garbage.msgpack"
     garbage.write_bytes(b"\x80")  # an empty msgpack map
-    for path, expected in [(other, "sac_cartpole checkpoint for CartPoleContinuous"), (garbage, "not a model")]:
+    for path, expected in [
+        (other, "sac_cartpole checkpoint for CartPoleContinuous"),
+        (garbage, "not a model"),
+    ]:
         result = run("--eval-only", "--load-model", str(path))
         assert result.returncode == 2 and expected in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
@@ -310,8 +461,19 @@ def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
 def test_two_devices_shard_the_seeds(finished_run, tmp_path):
     out, _ = finished_run
     two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    result = run(*TINY_FLAGS, "--num-seeds", "2", "--seed", "5", "--output-dir", str(tmp_path), "--no-plot",
-                 "--no-capture-gif", "--no-save-model", env=two_devices)
+    result = run(
+        *TINY_FLAGS,
+        "--num-seeds",
+        "2",
+        "--seed",
+        "5",
+        "--output-dir",
+        str(tmp_path),
+        "--no-plot",
+        "--no-capture-gif",
+        "--no-save-model",
+        env=two_devices,
+    )
     assert result.returncode == 0, result.stderr
     assert "on 2 device(s)" in result.stdout
     one = [float(row["critic_loss"]) for row in csv.DictReader((out / "metrics.csv").open())]
@@ -322,17 +484,30 @@ def test_two_devices_shard_the_seeds(finished_run, tmp_path):
 
 
 def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path):
-    result = run(*TINY_FLAGS, "--learning-rate", "1e30", "--output-dir", str(tmp_path), "--no-plot",
-                 "--no-capture-gif")
+    result = run(
+        *TINY_FLAGS,
+        "--learning-rate",
+        "1e30",
+        "--output-dir",
+        str(tmp_path),
+        "--no-plot",
+        "--no-capture-gif",
+    )
     assert result.returncode == 1
     assert "non-finite" in result.stderr and "chunk" in result.stderr and "seed 1" in result.stderr
-    assert len(list(csv.DictReader((tmp_path / "metrics.csv").open()))) >= 1  # what was written stays valid
+    assert (
+        len(list(csv.DictReader((tmp_path / "metrics.csv").open()))) >= 1
+    )  # what was written stays valid
 
 
 def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path):
     flags = [*TINY_FLAGS, "--total-timesteps", "200000", "--output-dir", str(tmp_path)]
-    process = subprocess.Popen([sys.executable, str(SCRIPT), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in process.stdout:
         if line.startswith("steps"):
             process.send_signal(signal.SIGINT)
@@ -354,10 +529,15 @@ def test_default_config_learns_to_swing_up():
     """Two seeds of the default config, shortened to 24k env steps (1,437 updates). A random policy
     scores about -1200; 8 seeds of this config measured after 1,437 updates: worst -178, median
     -154 (50 episodes each). The threshold -400 leaves a wide margin."""
-    config = dataclasses.replace(sac.Config(), num_seeds=2, total_timesteps=24_000, eval_episodes=20)
+    config = dataclasses.replace(
+        sac.Config(), num_seeds=2, total_timesteps=24_000, eval_episodes=20
+    )
     _, _, train = sac.make_train(config)
     state, metrics = jax.jit(jax.vmap(train))(sac.seed_keys(config))
     evaluate = jax.jit(jax.vmap(lambda params, key: sac.make_evaluate(config)(params, key)[0]))
-    returns = evaluate(state.learner.actor_params, jax.vmap(lambda k: jax.random.fold_in(k, 1))(sac.seed_keys(config)))
+    returns = evaluate(
+        state.learner.actor_params,
+        jax.vmap(lambda k: jax.random.fold_in(k, 1))(sac.seed_keys(config)),
+    )
     assert np.all(np.asarray(returns) > -400), returns
     assert np.all(metrics.episode_return[:, 0] < -900)  # and it started from a poor policy
