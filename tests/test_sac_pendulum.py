@@ -153,7 +153,7 @@ def test_actor_and_alpha_losses_by_hand():
     np.testing.assert_allclose(loss, np.mean([0.1 * -1 - 1.5, 0.1 * -4 + 4.5]), rtol=1e-6)
     log_alpha = jnp.log(0.1)
     value, grad = jax.value_and_grad(sac.alpha_loss)(log_alpha, log_prob, -1.0)
-    # -alpha * (mean log_prob + target) = -0.1 * (-2.5 - 1) = 0.35; the gradient equals the value here
+    # -alpha * (mean log_prob + target) = -0.1 * (-2.5 - 1) = 0.35; the gradient equals the value
     np.testing.assert_allclose([value, grad], [0.35, 0.35], rtol=1e-5)
 
 
@@ -238,23 +238,23 @@ def test_time_limit_transitions_bootstrap_from_the_final_observation():
 def two_seed_run():
     config = dataclasses.replace(TINY, seed=3, num_seeds=2)
     _, _, train = sac.make_train(config)
-    return config, train, jax.jit(jax.vmap(train))(sac.seed_keys(config))
+    return config, train, jax.jit(jax.vmap(train))(sac.seed_keys(config).train)
 
 
 def test_vmapped_seed_equals_single_run_and_seeds_differ(two_seed_run):
     config, train, (state, metrics) = two_seed_run
-    assert metrics.episode_return.shape == (2, sac.chunk_counts(config)[1])
+    assert metrics.episode_return.shape == (2, sac.chunk_sizes(config)[1])
     assert int(state.learner.updates[0]) > 50  # it did train
-    single_state, single_metrics = jax.jit(train)(jax.random.key(4))  # seed 3 + 1 alone
+    single_state, single_metrics = jax.jit(train)(
+        sac.seed_keys(dataclasses.replace(config, seed=4, num_seeds=1)).train[0]
+    )  # seed 3 + 1 alone
     chex.assert_trees_all_close(
         jax.tree.map(lambda x: x[1], state.learner.actor_params),
         single_state.learner.actor_params,
         rtol=1e-4,
         atol=1e-5,
     )
-    np.testing.assert_allclose(
-        metrics.losses.critic_loss[1], single_metrics.losses.critic_loss, rtol=1e-3
-    )
+    np.testing.assert_allclose(metrics.critic_loss[1], single_metrics.critic_loss, rtol=1e-3)
     first, second = (
         jax.tree.map(lambda x: x[0], state.learner.actor_params),
         single_state.learner.actor_params,
@@ -268,9 +268,9 @@ def test_cli_chunk_loop_equals_train(two_seed_run):
     """The CLI's path (init, then run_chunk from Python) is the same computation as train."""
     config, _, (state, metrics) = two_seed_run
     init, run_chunk, _ = sac.make_train(config)
-    loop_state = jax.jit(jax.vmap(init))(sac.seed_keys(config))
+    loop_state = jax.jit(jax.vmap(init))(sac.seed_keys(config).train)
     chunk = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)))
-    for index in range(sac.chunk_counts(config)[1]):
+    for index in range(sac.chunk_sizes(config)[1]):
         loop_state, loop_metrics = chunk(loop_state, index)
     chex.assert_trees_all_close(
         loop_state.learner.actor_params, state.learner.actor_params, rtol=1e-4, atol=1e-5
@@ -278,6 +278,21 @@ def test_cli_chunk_loop_equals_train(two_seed_run):
     np.testing.assert_allclose(
         loop_metrics.episode_return, metrics.episode_return[:, -1], rtol=1e-4
     )
+
+
+def test_evaluation_starts_from_other_states_than_training():
+    """The evaluation's key is split from the seed's key beside training's, not folded from it:
+    its first reset states share nothing with the training envs' first reset states."""
+    config = dataclasses.replace(TINY, num_envs=8, eval_episodes=8)
+    keys = sac.seed_keys(config)
+    init, _, _ = sac.make_train(config)
+    training_obs = np.asarray(jax.jit(init)(keys.train[0]).obs)
+    env, env_params = sac.make_env(config)
+    reset_key, _ = jax.random.split(keys.evaluate[0])  # as make_evaluate splits it
+    reset_keys = jax.random.split(reset_key, config.eval_episodes)
+    evaluation_obs = np.asarray(jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0])
+    assert not np.isclose(training_obs[:, None, :], evaluation_obs[None, :, :]).all(-1).any()
+    assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3
 
 
 # ---- the command line contract (subprocesses) ----
@@ -322,14 +337,10 @@ def test_help_lists_every_option():
         (["--env.dt", "0"], "--env.dt"),
         (["--eval-only"], "--load-model"),
         (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
-        (["--no-such-flag", "3"], "--no-such-flag"),
-        (["--num-envz", "3"], "perhaps you meant --num-envs"),
-        (["--num-envs", "many"], "--num-envs"),
-        (["--env.no-such-option", "1"], "--env.no-such-option"),
     ],
 )
-def test_bad_flags_exit_2_with_one_line(flags, name, capsys, monkeypatch):
-    """In process (parse_config and main, which validates before compiling anything)."""
+def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, monkeypatch):
+    """In process: main validates before anything is compiled."""
     monkeypatch.setattr(sac.jax, "jit", None)  # nothing may be compiled on the way to the error
     with pytest.raises(SystemExit) as exit_:
         sac.main(sac.parse_config(flags))
@@ -338,13 +349,30 @@ def test_bad_flags_exit_2_with_one_line(flags, name, capsys, monkeypatch):
     assert len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
 
 
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--no-such-flag", "3"], "--no-such-flag"),
+        (["--num-envz", "3"], "--num-envs"),  # tyro's "Perhaps you meant"
+        (["--num-envs", "many"], "--num-envs"),
+        (["--env.no-such-option", "1"], "--env.no-such-option"),
+    ],
+)
+def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        sac.parse_config(flags)
+    assert exit_.value.code == 2
+    assert name in capsys.readouterr().err
+
+
 def test_bad_flags_from_the_command_line():
-    for flags, name in [(["--tau", "2"], "--tau"), (["--no-such-flag"], "--no-such-flag")]:
-        result = run(*flags)
-        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, (
-            result.stderr
-        )
-        assert name in result.stderr and "Traceback" not in result.stderr
+    result = run("--tau", "2")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "sac_pendulum.py: error: --tau must be in (0, 1], got 2.0"
+    )
+    result = run("--no-such-flag")
+    assert result.returncode == 2 and "--no-such-flag" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +386,8 @@ def finished_run(tmp_path_factory):
 def test_run_writes_every_output(finished_run):
     out, result = finished_run
     assert (
-        "replay buffer" in result.stdout
+        result.stdout.startswith("compile cache: ")
+        and "replay buffer included" in result.stdout
         and "compiled in" in result.stdout
         and "SPS" in result.stdout
     )
@@ -374,8 +403,8 @@ def test_run_writes_every_output(finished_run):
     assert not list(out.glob(".*tmp*"))  # no temporary files left behind
     assert json.loads((out / "config.json").read_text())["num_seeds"] == 2
     rows = list(csv.DictReader((out / "metrics.csv").open()))
-    assert list(rows[0]) == sac.CSV_COLUMNS
-    assert len(rows) == 2 * sac.chunk_counts(TINY)[1] and {row["seed"] for row in rows} == {
+    assert tuple(rows[0]) == sac.CSV_COLUMNS
+    assert len(rows) == 2 * sac.chunk_sizes(TINY)[1] and {row["seed"] for row in rows} == {
         "5",
         "6",
     }
@@ -396,6 +425,13 @@ def test_run_writes_every_output(finished_run):
     assert len(summary["final_returns"]) == 2 and summary["updates_per_second"] > 0
 
 
+def without_timing(path: Path) -> list[dict]:
+    timing = {"wall_seconds", "sps"}
+    return [
+        {k: v for k, v in row.items() if k not in timing} for row in csv.DictReader(path.open())
+    ]
+
+
 def test_same_seed_gives_identical_metrics(finished_run, tmp_path):
     out, _ = finished_run
     result = run(
@@ -411,11 +447,7 @@ def test_same_seed_gives_identical_metrics(finished_run, tmp_path):
         "--no-save-model",
     )
     assert result.returncode == 0, result.stderr
-    timing = {"wall_seconds", "sps"}
-    strip = lambda path: [
-        {k: v for k, v in row.items() if k not in timing} for row in csv.DictReader(path.open())
-    ]  # noqa: E731
-    assert strip(out / "metrics.csv") == strip(tmp_path / "metrics.csv")
+    assert without_timing(out / "metrics.csv") == without_timing(tmp_path / "metrics.csv")
 
 
 def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path):
@@ -438,24 +470,34 @@ def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path):
     ).exists()
 
 
+def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run):
+    out, _ = finished_run
+    result = run("--eval-only", "--load-model", str(out / "model.msgpack"), "--hidden-sizes", "8")
+    assert result.returncode == 2 and "--hidden-sizes" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
     out, _ = finished_run
     payload = flax.serialization.msgpack_restore((out / "model.msgpack").read_bytes())
     other = tmp_path / "other.msgpack"
     other.write_bytes(
         flax.serialization.msgpack_serialize(
-            {**payload, "script": "sac_cartpole", "env_id": "CartPoleContinuous"}
+            {**payload, "script": "sac_cartpole", "env": "CartPoleContinuous"}
         )
     )
     garbage = tmp_path / "garbage.msgpack"
     garbage.write_bytes(b"\x80")  # an empty msgpack map
+    text = tmp_path / "notes.txt"
+    text.write_text("a secret line that must not be echoed\n" * 50)
     for path, expected in [
         (other, "sac_cartpole checkpoint for CartPoleContinuous"),
         (garbage, "not a model"),
+        (text, "not a model"),
     ]:
         result = run("--eval-only", "--load-model", str(path))
         assert result.returncode == 2 and expected in result.stderr, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
+        assert len(result.stderr.strip().splitlines()) == 1 and "secret" not in result.stderr
 
 
 def test_two_devices_shard_the_seeds(finished_run, tmp_path):
@@ -513,10 +555,10 @@ def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path):
             process.send_signal(signal.SIGINT)
             break
     stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr
+    assert process.returncode == 130, stderr  # as a shell expects of an interrupted program
     assert "stopping after this chunk" in stdout
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
-    assert 1 <= len(rows) < sac.chunk_counts(dataclasses.replace(TINY, total_timesteps=200000))[1]
+    assert 1 <= len(rows) < sac.chunk_sizes(dataclasses.replace(TINY, total_timesteps=200000))[1]
     for name in ["summary.json", "curves.png", "policy.gif", "model.msgpack"]:
         assert (tmp_path / name).exists(), name
 
@@ -526,18 +568,18 @@ def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path):
 
 @pytest.mark.slow
 def test_default_config_learns_to_swing_up():
-    """Two seeds of the default config, shortened to 24k env steps (1,437 updates). A random policy
-    scores about -1200; 8 seeds of this config measured after 1,437 updates: worst -178, median
-    -154 (50 episodes each). The threshold -400 leaves a wide margin."""
+    """Four seeds of the default config, shortened to 24k env steps (1,437 updates). A random
+    policy scores about -1200; the threshold comes from measured runs with a wide margin (see
+    docs/sac.md): every seed above -400 and the median above -250. No single seed's path is
+    asserted, since XLA's CPU code (and so each trajectory) differs between processors."""
     config = dataclasses.replace(
-        sac.Config(), num_seeds=2, total_timesteps=24_000, eval_episodes=20
+        sac.Config(), num_seeds=4, total_timesteps=24_000, eval_episodes=20
     )
+    keys = sac.seed_keys(config)
     _, _, train = sac.make_train(config)
-    state, metrics = jax.jit(jax.vmap(train))(sac.seed_keys(config))
-    evaluate = jax.jit(jax.vmap(lambda params, key: sac.make_evaluate(config)(params, key)[0]))
-    returns = evaluate(
-        state.learner.actor_params,
-        jax.vmap(lambda k: jax.random.fold_in(k, 1))(sac.seed_keys(config)),
-    )
-    assert np.all(np.asarray(returns) > -400), returns
+    state, metrics = jax.jit(jax.vmap(train))(keys.train)
+    evaluate = jax.jit(jax.vmap(sac.make_evaluate(config)))
+    returns = np.asarray(evaluate(sac.trained_params(state), keys.evaluate)["episode_return"])
+    returns = returns.mean(axis=1)
+    assert np.all(returns > -400) and np.median(returns) > -250, returns
     assert np.all(metrics.episode_return[:, 0] < -900)  # and it started from a poor policy
