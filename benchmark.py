@@ -1,11 +1,12 @@
 """Throughput benchmarks. Docs: docs/benchmarks.md
 
-    python benchmark.py envs                       # env steps/s of every env, 1 .. 65536 envs
+    python benchmark.py envs              # env steps/s of every env, 1 .. 65536 envs
     python benchmark.py envs --quick --num-envs 1 4096
-    python benchmark.py train                      # each script's env steps/s and updates/s across num-envs
-    python benchmark.py seeds                      # wall time of 1, 4, 16, 64 vmapped seeds per script
-    python benchmark.py solve                      # each script's default run: seconds to the solved bar
-    python benchmark.py all --quick                # all four, short (4-5 minutes on an idle 2-core CPU)
+    python benchmark.py train             # each script's env steps/s and updates/s across num-envs
+    python benchmark.py seeds             # wall time of 1, 4, 16, 64 vmapped seeds per script
+    python benchmark.py solve             # each script's default run: seconds to the solved bar
+    python benchmark.py launch            # launch to exit, compilation cache cold and warm
+    python benchmark.py all --quick       # all five, short
 
 `envs` steps every env of envs.py with random actions drawn on device and auto-reset on, as a
 jitted `lax.scan` over a batch of `num_envs` envs. When gymnax (CartPole-v1, Pendulum-v1) or
@@ -274,7 +275,8 @@ def env_table(rows: list[dict]) -> str:
     """Ours next to the reference, one line per env and size."""
     by_key = {(row["library"], row["env"], row["num_envs"]): row for row in rows}
     lines = [
-        f"{'env':<20}{'num_envs':>9}{'ours steps/s':>15}{'reference':>10}{'ref steps/s':>15}{'ours/ref':>9}"
+        f"{'env':<20}{'num_envs':>9}{'ours steps/s':>15}{'reference':>10}{'ref steps/s':>15}"
+        f"{'ours/ref':>9}"
     ]
     for row in rows:
         if row["library"] != "ours":
@@ -282,7 +284,8 @@ def env_table(rows: list[dict]) -> str:
         reference = by_key.get((row.get("reference"), row["env"], row["num_envs"]))
         line = f"{row['env']:<20}{row['num_envs']:>9}{row['steps_per_second']:>15,}"
         if reference is not None:
-            line += f"{reference['library']:>10}{reference['steps_per_second']:>15,}{row['ratio_to_reference']:>9.2f}"
+            line += f"{reference['library']:>10}{reference['steps_per_second']:>15,}"
+            line += f"{row['ratio_to_reference']:>9.2f}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -361,7 +364,8 @@ def run_envs(args: argparse.Namespace) -> list[dict]:
                     else ""
                 )
                 print(
-                    f"  {row['library']:>8} {row['env']:<20}{num_envs:>8} envs: {row['steps_per_second']:>14,} steps/s"
+                    f"  {row['library']:>8} {row['env']:<20}{num_envs:>8} envs: "
+                    f"{row['steps_per_second']:>14,} steps/s"
                     f" (compile {row['compile_seconds']:.2f} s{ratio})",
                     flush=True,
                 )
@@ -389,79 +393,72 @@ def run_envs(args: argparse.Namespace) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
-# The bar a default run must reach: Pendulum's customary -200, gymnasium's 475 for CartPole-v1,
-# the full 500 steps of continuous CartPole balance. ppo_snake has none: its greedy score is reported.
-SOLVED_BARS = {"sac_pendulum": -200.0, "ppo_cartpole": 475.0, "sac_cartpole": 500.0}
 SCRIPT_FLAGS = ["--no-capture-gif", "--no-plot", "--no-save-model"]
 
 
 @dataclass(frozen=True)
 class ChunkRunner:
-    """A script's jitted, vmapped run_chunk with its first state, as the script's CLI calls it
-    (state donated). `run(state, chunk)` -> (state, metrics); `steps` env steps and `updates`
-    gradient updates per call and seed; `warmup_chunks` calls before the SAC warm-up is over."""
+    """A script's jitted, vmapped run_chunk with its first state, called as the script's CLI
+    calls it (state donated), after the warm-up chunks (the chunks before the first gradient
+    update, then one more). `steps` env steps and `updates` gradient updates per chunk and
+    seed, read from the chunks' own metrics."""
 
     run: Callable[[Any, int], tuple[Any, Any]]
     state: Any
+    first_chunk: int
     steps: int
     updates: int
-    warmup_chunks: int
     compile_seconds: float
 
 
-def chunk_runner(script: str, num_envs: int, iterations: int, num_seeds: int) -> ChunkRunner:
+def chunk_runner(script: str, num_envs: int, steps_per_env: int, num_seeds: int) -> ChunkRunner:
     """Build `script`'s make_train on its default config with `num_envs` envs per seed and
-    `iterations` env-vector steps (SAC) or rollout-and-update iterations (PPO) per chunk."""
+    chunks of `steps_per_env` steps of every env (whole iterations: rounded down, at least one),
+    through the names every script has: Config, validate, chunk_sizes, make_train."""
     module = importlib.import_module(script)
-    config = module.Config()
-    sac = hasattr(
-        module, "chunk_counts"
-    )  # SAC: run_chunk(state, chunk index); PPO: run_chunk(state)
-    per_iteration = num_envs if sac else num_envs * config.num_steps
-    steps = per_iteration * iterations
-    warmup_chunks = (
-        -(-config.learning_starts // steps) + 1 if sac else 1
-    )  # the SAC warm-up, then one more
-    overrides = dict(
+    config = dataclasses.replace(
+        module.Config(),
         num_envs=num_envs,
         num_seeds=num_seeds,
-        log_every=steps,
-        total_timesteps=steps * (warmup_chunks + 1),
+        log_every=num_envs * steps_per_env,
+        total_timesteps=num_envs * steps_per_env * 1000,  # far more chunks than are timed
     )
-    if sac:
-        overrides["buffer_size"] = max(config.buffer_size, num_envs)
-    config = dataclasses.replace(config, **overrides)
     module.validate(config)  # a size the script itself would refuse is a usage error here too
-    updates = iterations * (
-        config.updates_per_step if sac else config.update_epochs * config.num_minibatches
-    )
     init, run_chunk, _ = module.make_train(config)
     keys = jax.vmap(jax.random.key)(jnp.arange(num_seeds))
     state = jax.block_until_ready(jax.jit(jax.vmap(init))(keys))
     start = time.perf_counter()
-    if sac:
-        compiled = (
-            jax.jit(jax.vmap(run_chunk, in_axes=(0, None)), donate_argnums=0)
-            .lower(state, jnp.int32(0))
-            .compile()
-        )
-        run = lambda state, chunk: compiled(state, jnp.int32(chunk))  # noqa: E731
-    else:
-        compiled = jax.jit(jax.vmap(run_chunk), donate_argnums=0).lower(state).compile()
-        run = lambda state, chunk: compiled(state)  # noqa: E731
-    return ChunkRunner(run, state, steps, updates, warmup_chunks, time.perf_counter() - start)
+    chunk_function = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)), donate_argnums=0)
+    compiled = chunk_function.lower(state, jnp.int32(0)).compile()
+    compile_seconds = time.perf_counter() - start
+
+    def run(state: Any, chunk: int) -> tuple[Any, Any]:
+        return compiled(state, jnp.int32(chunk))
+
+    # Warm-up: the chunks until the first gradient update (SAC's random-action phase), then one.
+    chunk = 0
+    updates = 0
+    while updates == 0:
+        state, metrics = run(state, chunk)
+        updates = int(jax.device_get(metrics.updates)[0])
+        chunk += 1
+    state, metrics = run(state, chunk)
+    metrics = jax.device_get(metrics)
+    steps_per_chunk = int(metrics.env_steps[0]) // (chunk + 1)
+    updates_per_chunk = int(metrics.updates[0]) - updates
+    return ChunkRunner(run, state, chunk + 1, steps_per_chunk, updates_per_chunk, compile_seconds)
 
 
 def time_chunks(runner: ChunkRunner, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` chunks after the warm-up chunks. The state a chunk returns is
-    the next chunk's input and its metrics are fetched, so XLA can drop none of the work."""
-    state, seconds = runner.state, []
-    for chunk in range(runner.warmup_chunks + repeats):
+    """Seconds of each of `repeats` chunks after the warm-up. The state a chunk returns is the
+    next chunk's input and its metrics are fetched, so XLA can drop none of the work."""
+    state = runner.state
+    seconds = []
+    for chunk in range(runner.first_chunk, runner.first_chunk + repeats):
         start = time.perf_counter()
         state, metrics = runner.run(state, chunk)
         jax.block_until_ready((state, jax.device_get(metrics)))
-        if chunk >= runner.warmup_chunks:
-            seconds.append(time.perf_counter() - start)
+        seconds.append(time.perf_counter() - start)
     return seconds
 
 
@@ -485,14 +482,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-envs",
         type=int,
         nargs="+",
-        help="envs per seed to measure (default: per script and device, SAC 16 .. 4096 and PPO 4 .. 65536 on a GPU)",
+        help="envs per seed (default: per script and device; GPU: SAC 16 .. 4096, PPO 4 .. 65536)",
     )
-    parser.add_argument(
-        "--iterations",
-        type=int,
-        default=None,
-        help="iterations per timed chunk (default 64, 16 with --quick; PPO: 8, 2 with --quick; ppo_snake: 4, 1)",
-    )
+    parser.add_argument("--steps-per-env", type=int, default=None, help=STEPS_PER_ENV_HELP)
     parser.add_argument(
         "--repeats",
         type=int,
@@ -504,16 +496,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def iterations_for(script: str, args: argparse.Namespace) -> int:
-    if args.iterations is not None:
-        return args.iterations
-    if script.startswith("sac"):
-        return 16 if args.quick else 64
-    if (
-        script == "ppo_snake"
-    ):  # a board-sized network: an iteration costs ~20x a CartPole one on CPU
-        return 1 if args.quick else 4
-    return 2 if args.quick else 8
+# Steps of every env in a timed chunk, (default, --quick), about a second of CPU work each:
+# 64 SAC iterations, 8 PPO rollouts of 64 steps, 4 ppo_snake rollouts of 128 (a board-sized
+# network costs ~20x a CartPole one).
+STEPS_PER_ENV = {
+    "sac_pendulum": (64, 16),
+    "sac_cartpole": (64, 16),
+    "ppo_cartpole": (512, 128),
+    "ppo_snake": (512, 128),
+}
+STEPS_PER_ENV_HELP = "steps of every env per timed chunk, rounded down to whole iterations "
+STEPS_PER_ENV_HELP += f"(default, with --quick: {STEPS_PER_ENV})"
+
+
+def steps_per_env_for(script: str, args: argparse.Namespace) -> int:
+    if args.steps_per_env is not None:
+        return args.steps_per_env
+    default, quick = STEPS_PER_ENV[script]
+    return quick if args.quick else default
 
 
 def repeats_for(args: argparse.Namespace) -> int:
@@ -523,13 +523,14 @@ def repeats_for(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> list[dict]:
     repeats, gpu = repeats_for(args), jax.devices()[0].platform != "cpu"
     print(
-        f"training throughput on {device_label()}, jax {jax.__version__}, median of {repeats} chunks, 1 seed"
+        f"training throughput on {device_label()}, jax {jax.__version__}, "
+        f"median of {repeats} chunks, 1 seed"
     )
     rows = []
     for script in args.scripts:
-        iterations = iterations_for(script, args)
+        steps_per_env = steps_per_env_for(script, args)
         for num_envs in args.num_envs or train_sizes(script, args.quick, gpu):
-            runner = chunk_runner(script, num_envs, iterations, num_seeds=1)
+            runner = chunk_runner(script, num_envs, steps_per_env, num_seeds=1)
             seconds = time_chunks(runner, repeats)
             median = statistics.median(seconds)
             row = dict(
@@ -548,7 +549,8 @@ def run_train(args: argparse.Namespace) -> list[dict]:
             )
             print(
                 f"  {script:<13}{num_envs:>7} envs: {row['steps_per_second']:>12,} env steps/s "
-                f"{row['updates_per_second']:>9,} updates/s (compile {runner.compile_seconds:.1f} s)",
+                f"{row['updates_per_second']:>9,} updates/s "
+                f"(compile {runner.compile_seconds:.1f} s)",
                 flush=True,
             )
             rows.append(row)
@@ -579,9 +581,7 @@ def add_seeds_arguments(parser: argparse.ArgumentParser) -> None:
         help="which scripts (default: all)",
     )
     parser.add_argument("--seeds", type=int, nargs="+", help=SEEDS_HELP)
-    parser.add_argument(
-        "--iterations", type=int, default=None, help="iterations per timed chunk (default as train)"
-    )
+    parser.add_argument("--steps-per-env", type=int, default=None, help=STEPS_PER_ENV_HELP)
     parser.add_argument(
         "--repeats",
         type=int,
@@ -604,16 +604,18 @@ def seed_counts(script: str, args: argparse.Namespace, gpu: bool) -> list[int]:
 def run_seeds(args: argparse.Namespace) -> list[dict]:
     repeats, gpu = repeats_for(args), jax.devices()[0].platform != "cpu"
     print(
-        f"seed scaling on {device_label()}, jax {jax.__version__}, median of {repeats} chunks, default num_envs"
+        f"seed scaling on {device_label()}, jax {jax.__version__}, "
+        f"median of {repeats} chunks, default num_envs"
     )
     rows = []
     for script in args.scripts:
-        iterations, one_seed = iterations_for(script, args), None
+        steps_per_env = steps_per_env_for(script, args)
+        one_seed = None
         for num_seeds in seed_counts(script, args, gpu):
             num_envs = (
                 importlib.import_module(script).Config().num_envs
             )  # the script's default, per seed
-            runner = chunk_runner(script, num_envs, iterations, num_seeds)
+            runner = chunk_runner(script, num_envs, steps_per_env, num_seeds)
             median = statistics.median(time_chunks(runner, repeats))
             one_seed = one_seed or (median if num_seeds == 1 else None)
             row = dict(
@@ -631,8 +633,9 @@ def run_seeds(args: argparse.Namespace) -> list[dict]:
             )
             ratio = f"{row['ratio_to_one_seed']:.2f}x" if one_seed else "-"
             print(
-                f"  {script:<13}{num_seeds:>4} seeds: {median * 1e3:>9.1f} ms per chunk, {ratio} of 1 seed, "
-                f"{row['steps_per_second']:,} env steps/s in all (compile {runner.compile_seconds:.1f} s)",
+                f"  {script:<13}{num_seeds:>4} seeds: {median * 1e3:>9.1f} ms per chunk, "
+                f"{ratio} of 1 seed, {row['steps_per_second']:,} env steps/s in all "
+                f"(compile {runner.compile_seconds:.1f} s)",
                 flush=True,
             )
             rows.append(row)
@@ -683,7 +686,7 @@ def add_solve_arguments(parser: argparse.ArgumentParser) -> None:
         "--solve-flags",
         type=shlex.split,
         default=[],
-        help="extra flags for every script in one string, e.g. --solve-flags='--total-timesteps 4096' (smoke test)",
+        help="extra flags for every script, e.g. --solve-flags='--total-timesteps 4096' (smoke)",
     )
 
 
@@ -728,15 +731,10 @@ def run_solve(args: argparse.Namespace) -> list[dict]:
                 process_seconds = time.perf_counter() - start
                 with open(os.path.join(out, "summary.json")) as file:
                     summary = json.load(file)
-                bar = SOLVED_BARS.get(script)
-                crossing = (
-                    first_crossing_seconds(os.path.join(out, "metrics.csv"), bar)
-                    if bar is not None
-                    else None
-                )
+                bar = importlib.import_module(script).SOLVED_RETURN  # the script's own bar
+                crossing = first_crossing_seconds(os.path.join(out, "metrics.csv"), bar)
                 results.append((summary, process_seconds, crossing))
         summaries = [summary for summary, _, _ in results]
-        bar = SOLVED_BARS.get(script)
         crossings = [c for _, _, c in results if c is not None]
         row = dict(
             benchmark="time_to_solve",
@@ -754,19 +752,114 @@ def run_solve(args: argparse.Namespace) -> list[dict]:
             first_crossing_seconds=round(statistics.median(crossings), 2) if crossings else None,
             extra_flags=args.solve_flags,
         )
-        if bar is not None:
-            row["solved_runs"] = sum(s["final_return_mean"] >= bar for s in summaries)
-        if "final_score_mean" in summaries[0]:
-            row["final_scores"] = [round(s["final_score_mean"], 2) for s in summaries]
-        outcome = (
-            f"{row['solved_runs']}/{runs} solved (bar {bar:g})"
-            if bar is not None
-            else f"greedy score {row['final_scores']}"
-        )
+        row["solved_runs"] = sum(s["final_return_mean"] >= bar for s in summaries)
+        for name in summaries[0]:  # the script's other evaluation figures (Snake: score, win)
+            if name.startswith("final_") and name.endswith("_mean") and name != "final_return_mean":
+                row[name.removesuffix("_mean") + "s"] = [round(s[name], 3) for s in summaries]
+        outcome = f"{row['solved_runs']}/{runs} solved (bar {bar:g})"
         print(
-            f"  {script:<13} train {row['train_seconds']:.1f} s + compile {row['compile_seconds']:.1f} s, "
+            f"  {script:<13} train {row['train_seconds']:.1f} s + "
+            f"compile {row['compile_seconds']:.1f} s, "
             f"first training return past the bar at {row['first_crossing_seconds']} s, final eval "
             f"{row['final_returns']}: {outcome}",
+            flush=True,
+        )
+        rows.append(row)
+    return stamp(rows)
+
+
+# ppo_snake's default run takes minutes on a CPU: measured when named, not by default.
+LAUNCH_SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole"]
+
+
+def add_launch_command_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="one cold and one warm run a script")
+    add_launch_arguments(parser)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--launch-scripts",
+        nargs="+",
+        default=LAUNCH_SCRIPTS,
+        choices=SCRIPTS,
+        help=f"scripts whose default run is timed (default {' '.join(LAUNCH_SCRIPTS)})",
+    )
+    parser.add_argument(
+        "--launch-runs", type=int, default=3, help="cold and warm runs per script (1 with --quick)"
+    )
+    parser.add_argument(
+        "--launch-flags",
+        type=shlex.split,
+        default=[],
+        help="extra flags for every run, e.g. --launch-flags='--total-timesteps 4096' (smoke)",
+    )
+
+
+def timed_default_run(script: str, cache_dir: str, flags: list[str]) -> tuple[float, dict]:
+    """(seconds from launch to exit, summary.json) of `python script.py` in a fresh process, with
+    every output it writes by default, and JAX's compilation cache in `cache_dir`."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, f"{script}.py", "--output-dir", out, *flags]
+        environment = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir}
+        start = time.perf_counter()
+        subprocess.run(
+            command,
+            check=True,
+            capture_output=True,
+            env=environment,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
+        seconds = time.perf_counter() - start
+        with open(os.path.join(out, "summary.json")) as file:
+            return seconds, json.load(file)
+
+
+def run_launch(args: argparse.Namespace) -> list[dict]:
+    """Launch to exit of each script's default run with a cold compilation cache (an empty
+    directory) and a warm one (filled by one earlier run of the same command), interleaved."""
+    import tempfile
+
+    runs = 1 if args.quick else args.launch_runs
+    print(f"launch to exit on {device_label()}, jax {jax.__version__}, median of {runs} run(s)")
+    rows = []
+    for script in args.launch_scripts:
+        cold = []
+        warm = []
+        with tempfile.TemporaryDirectory() as warm_cache:
+            timed_default_run(script, warm_cache, args.launch_flags)  # fills the warm cache
+            for _ in range(runs):
+                with tempfile.TemporaryDirectory() as cold_cache:
+                    cold.append(timed_default_run(script, cold_cache, args.launch_flags))
+                warm.append(timed_default_run(script, warm_cache, args.launch_flags))
+        cold_seconds = statistics.median(seconds for seconds, _ in cold)
+        warm_seconds = statistics.median(seconds for seconds, _ in warm)
+        row = dict(
+            benchmark="launch",
+            library=script,
+            env=script,
+            num_envs=cold[0][1]["num_envs"],
+            num_seeds=1,
+            runs=runs,
+            cold_seconds=round(cold_seconds, 2),
+            warm_seconds=round(warm_seconds, 2),
+            cold_to_warm=round(cold_seconds / warm_seconds, 2),
+            cold_runs=[round(seconds, 2) for seconds, _ in cold],
+            warm_runs=[round(seconds, 2) for seconds, _ in warm],
+            cold_compile_seconds=round(statistics.median(s["compile_seconds"] for _, s in cold), 2),
+            warm_compile_seconds=round(statistics.median(s["compile_seconds"] for _, s in warm), 2),
+            final_returns=[round(s["final_return_mean"], 2) for _, s in cold + warm],
+            extra_flags=args.launch_flags,
+        )
+        print(
+            f"  {script:<13} cold {cold_seconds:.1f} s "
+            f"(compile {row['cold_compile_seconds']:.1f} s), "
+            f"warm {warm_seconds:.1f} s (compile {row['warm_compile_seconds']:.1f} s): "
+            f"{row['cold_to_warm']:.2f}x",
             flush=True,
         )
         rows.append(row)
@@ -839,14 +932,13 @@ def add_all_arguments(parser: argparse.ArgumentParser) -> None:
         "--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="scripts for train and seeds"
     )
     parser.add_argument("--seeds", type=int, nargs="+", help=SEEDS_HELP)
-    parser.add_argument(
-        "--iterations", type=int, default=None, help="iterations per timed chunk (train, seeds)"
-    )
+    parser.add_argument("--steps-per-env", type=int, default=None, help=STEPS_PER_ENV_HELP)
     add_solve_arguments(parser)
+    add_launch_arguments(parser)
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
-    """envs, train, seeds and solve with their own defaults (each one's --num-envs default)."""
+    """envs, train, seeds, solve and launch with their own defaults."""
     gpu = jax.devices()[0].platform != "cpu"
     envs_args = argparse.Namespace(
         **vars(args),
@@ -857,7 +949,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     rows = run_envs(envs_args)
     rows += run_train(argparse.Namespace(**vars(args), num_envs=None))
     rows += run_seeds(args)
-    return rows + run_solve(args)
+    return rows + run_solve(args) + run_launch(args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -888,7 +980,12 @@ SUBCOMMANDS: dict[
         add_solve_command_arguments,
         run_solve,
     ),
-    "all": ("envs, train, seeds and solve", add_all_arguments, run_all),
+    "launch": (
+        "each script's default run from launch to exit, compilation cache cold and warm",
+        add_launch_command_arguments,
+        run_launch,
+    ),
+    "all": ("envs, train, seeds, solve and launch", add_all_arguments, run_all),
 }
 ROW_KEY = ("benchmark", "library", "env", "num_envs", "num_seeds", "device")
 
