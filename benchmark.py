@@ -6,7 +6,8 @@
     python benchmark.py seeds             # wall time of 1, 4, 16, 64 vmapped seeds per script
     python benchmark.py solve             # each script's default run: seconds to the solved bar
     python benchmark.py launch            # launch to exit, compilation cache cold and warm
-    python benchmark.py all --quick       # all five, short
+    python benchmark.py versus ../before  # against another checkout: train speed, cold launch
+    python benchmark.py all --quick       # envs, train, seeds, solve and launch, short
 
 `envs` steps every env of envs.py with random actions drawn on device and auto-reset on, as a
 jitted `lax.scan` over a batch of `num_envs` envs. When gymnax (CartPole-v1, Pendulum-v1) or
@@ -866,6 +867,101 @@ def run_launch(args: argparse.Namespace) -> list[dict]:
     return stamp(rows)
 
 
+def add_versus_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "baseline", help="another checkout, e.g. a `git worktree` of an earlier commit"
+    )
+    parser.add_argument(
+        "--scripts", nargs="+", default=LAUNCH_SCRIPTS, choices=SCRIPTS, help="scripts to compare"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds; medians reported"
+    )
+
+
+def run_versus(args: argparse.Namespace) -> list[dict]:
+    """This checkout against `baseline`, side by side in one run, round after round (baseline,
+    then this): each tree's own `benchmark.py train` at its default sizes (env steps/s), and
+    each script's default run launched cold (an empty compilation cache) to exit."""
+    import subprocess
+    import sys
+    import tempfile
+
+    trees = {"baseline": os.path.abspath(args.baseline), "this": os.path.dirname(__file__) or "."}
+    trees["this"] = os.path.abspath(trees["this"])
+    train = {name: [] for name in trees}
+    launch = {(name, script): [] for name in trees for script in args.scripts}
+    for _ in range(args.rounds):
+        for name, tree in trees.items():
+            with tempfile.TemporaryDirectory() as out:
+                output = os.path.join(out, "rows.json")
+                command = [sys.executable, "benchmark.py", "--output", output, "train"]
+                command += ["--quick", "--scripts", *args.scripts]
+                subprocess.run(command, check=True, capture_output=True, cwd=tree)
+                with open(output) as file:
+                    train[name].append(json.load(file)["rows"])
+            for script in args.scripts:
+                with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as out:
+                    command = [sys.executable, f"{script}.py", "--output-dir", out]
+                    environment = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache}
+                    start = time.perf_counter()
+                    subprocess.run(
+                        command, check=True, capture_output=True, env=environment, cwd=tree
+                    )
+                    launch[name, script].append(time.perf_counter() - start)
+    rows = []
+    print(f"{trees['this']} against {trees['baseline']} on {device_label()}, {args.rounds} rounds")
+    for baseline_row in train["baseline"][0]:
+        key = (baseline_row["library"], baseline_row["num_envs"])
+        speeds = {
+            name: statistics.median(
+                row["steps_per_second"]
+                for rows_of_round in train[name]
+                for row in rows_of_round
+                if (row["library"], row["num_envs"]) == key
+            )
+            for name in trees
+        }
+        rows.append(
+            dict(
+                benchmark="versus_train",
+                library=key[0],
+                env=key[0],
+                num_envs=key[1],
+                num_seeds=1,
+                baseline_steps_per_second=round(speeds["baseline"]),
+                steps_per_second=round(speeds["this"]),
+                ratio_to_baseline=round(speeds["this"] / speeds["baseline"], 3),
+                rounds=args.rounds,
+            )
+        )
+    for script in args.scripts:
+        seconds = {name: statistics.median(launch[name, script]) for name in trees}
+        rows.append(
+            dict(
+                benchmark="versus_cold_launch",
+                library=script,
+                env=script,
+                num_envs=None,
+                num_seeds=1,
+                baseline_seconds=round(seconds["baseline"], 2),
+                seconds=round(seconds["this"], 2),
+                ratio_to_baseline=round(seconds["this"] / seconds["baseline"], 3),
+                baseline_runs=[round(value, 2) for value in launch["baseline", script]],
+                runs=[round(value, 2) for value in launch["this", script]],
+            )
+        )
+    for row in rows:
+        measure = (
+            f"{row['baseline_steps_per_second']:,} -> {row['steps_per_second']:,} env steps/s "
+            f"at {row['num_envs']} envs"
+            if row["benchmark"] == "versus_train"
+            else f"cold launch to exit {row['baseline_seconds']} -> {row['seconds']} s"
+        )
+        print(f"  {row['library']:<13} {measure}: {row['ratio_to_baseline']:.2f}x", flush=True)
+    return stamp(rows)
+
+
 def stamp(rows: list[dict]) -> list[dict]:
     """Device, JAX version and date on every row."""
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -984,6 +1080,11 @@ SUBCOMMANDS: dict[
         "each script's default run from launch to exit, compilation cache cold and warm",
         add_launch_command_arguments,
         run_launch,
+    ),
+    "versus": (
+        "this checkout's train speed and cold launch against another checkout's, interleaved",
+        add_versus_arguments,
+        run_versus,
     ),
     "all": ("envs, train, seeds, solve and launch", add_all_arguments, run_all),
 }

@@ -500,6 +500,21 @@ def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1 and "secret" not in result.stderr
 
 
+def test_compile_cache_is_where_the_first_line_says_and_off_on_request(tmp_path):
+    cache = tmp_path / "cache"
+    quiet = ["--no-plot", "--no-capture-gif", "--no-save-model", "--output-dir", str(tmp_path)]
+    result = run(*TINY_FLAGS, *quiet, env={"JAX_COMPILATION_CACHE_DIR": str(cache)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == f"compile cache: {cache}"
+    assert any(cache.iterdir())  # the programs were stored for the next run
+    off = tmp_path / "off"
+    result = run(
+        *TINY_FLAGS, *quiet, "--no-compile-cache", env={"JAX_COMPILATION_CACHE_DIR": str(off)}
+    )
+    assert result.returncode == 0 and result.stdout.startswith("compile cache: off")
+    assert not off.exists()
+
+
 def test_two_devices_shard_the_seeds(finished_run, tmp_path):
     out, _ = finished_run
     two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
