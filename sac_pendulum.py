@@ -969,6 +969,7 @@ def train_and_log(config: Config, sharding: NamedSharding, out: Path, keys: PRNG
 
 
 def main(config: Config) -> None:
+    compile_cache = enable_compile_cache(config)  # before anything starts JAX's backend
     try:
         validate(config)
         params = None
@@ -977,7 +978,7 @@ def main(config: Config) -> None:
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
-    print(f"compile cache: {enable_compile_cache(config)}", flush=True)
+    print(f"compile cache: {compile_cache}", flush=True)
     devices = jax.devices()
     sharding = NamedSharding(Mesh(np.array(devices), ("seeds",)), PartitionSpec("seeds"))
     out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")

@@ -512,7 +512,7 @@ def test_compile_cache_is_where_the_first_line_says_and_off_on_request(tmp_path)
         *TINY_FLAGS, *quiet, "--no-compile-cache", env={"JAX_COMPILATION_CACHE_DIR": str(off)}
     )
     assert result.returncode == 0 and result.stdout.startswith("compile cache: off")
-    assert not off.exists()
+    assert not off.exists() or not any(off.iterdir())  # nothing stored
 
 
 def test_two_devices_shard_the_seeds(finished_run, tmp_path):
