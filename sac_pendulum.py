@@ -717,8 +717,7 @@ def validate(config: Config) -> None:
 def enable_compile_cache(config: Config) -> str:
     """Turn on JAX's persistent compilation cache (a rerun loads its programs instead of compiling
     them); returns where it is, or why it is off."""
-    if not config.compile_cache:  # JAX would still read $JAX_COMPILATION_CACHE_DIR by itself
-        jax.config.update("jax_enable_compilation_cache", False)
+    if not config.compile_cache:  # (JAX itself still reads $JAX_COMPILATION_CACHE_DIR if set)
         return "off (--no-compile-cache)"
     default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jax-rl-scripts"
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(default)

@@ -501,18 +501,25 @@ def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
 
 
 def test_compile_cache_is_where_the_first_line_says_and_off_on_request(tmp_path):
-    cache = tmp_path / "cache"
     quiet = ["--no-plot", "--no-capture-gif", "--no-save-model", "--output-dir", str(tmp_path)]
+    cache = tmp_path / "cache"
     result = run(*TINY_FLAGS, *quiet, env={"JAX_COMPILATION_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == f"compile cache: {cache}"
     assert any(cache.iterdir())  # the programs were stored for the next run
-    off = tmp_path / "off"
-    result = run(
-        *TINY_FLAGS, *quiet, "--no-compile-cache", env={"JAX_COMPILATION_CACHE_DIR": str(off)}
-    )
-    assert result.returncode == 0 and result.stdout.startswith("compile cache: off")
-    assert not off.exists() or not any(off.iterdir())  # nothing stored
+    # Without $JAX_COMPILATION_CACHE_DIR: under the user's cache directory, unless turned off.
+    environment = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "user_cache")}
+    environment.pop("JAX_COMPILATION_CACHE_DIR", None)
+    for flags, stored in [(["--no-compile-cache"], False), ([], True)]:
+        result = subprocess.run(
+            [sys.executable, str(SCRIPT), *TINY_FLAGS, *quiet, *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=environment,
+        )
+        assert result.returncode == 0, result.stderr
+        assert (tmp_path / "user_cache" / "jax-rl-scripts").exists() == stored, result.stdout
 
 
 def test_two_devices_shard_the_seeds(finished_run, tmp_path):
