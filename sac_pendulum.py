@@ -872,24 +872,29 @@ def train_and_log(config: Config, sharding: NamedSharding, out: Path, keys: PRNG
     Returns (final state, rows, summary); exits on a non-finite value."""
     init, run_chunk, _ = make_train(config)
     iterations_per_chunk, num_chunks = chunk_sizes(config)
-    keys = jax.device_put(keys, sharding)
     state_shape = jax.eval_shape(jax.vmap(init), keys)
     state_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state_shape)) / 2**20
     devices = sharding.mesh.devices.flat
-    total_steps = num_chunks * iterations_per_chunk * config.num_envs
     print(
         f"{SCRIPT}: {env_name(config)}, {config.num_seeds} seed(s) x {config.num_envs} envs on "
-        f"{sharding.mesh.size} device(s) ({devices[0].device_kind}), {total_steps:,} env steps "
-        f"per seed in {num_chunks} chunks; train state (replay buffer included) "
-        f"{state_mb / config.num_seeds:.1f} MB per seed",
+        f"{sharding.mesh.size} device(s) ({devices[0].device_kind}), {num_chunks} chunks of "
+        f"{iterations_per_chunk} iterations; train state {state_mb / config.num_seeds:.1f} MB "
+        f"per seed",
         flush=True,
     )
     start = time.perf_counter()
-    state = jax.jit(jax.vmap(init), out_shardings=sharding)(keys)
+    # init compiles on a second thread beside the chunk function (XLA compiles on one core).
+    init_fn = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding)
+    init_compiling = ThreadPoolExecutor(1).submit(init_fn.lower(keys).compile)
+    replicated = NamedSharding(sharding.mesh, PartitionSpec())
     chunk_fn = jax.jit(
-        jax.vmap(run_chunk, in_axes=(0, None)), donate_argnums=0, out_shardings=sharding
+        jax.vmap(run_chunk, in_axes=(0, None)),
+        in_shardings=(sharding, replicated),
+        out_shardings=sharding,
+        donate_argnums=0,
     )
-    chunk_fn = chunk_fn.lower(state, jnp.int32(0)).compile()
+    chunk_fn = chunk_fn.lower(state_shape, jnp.int32(0)).compile()
+    state = init_compiling.result()(keys)
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
 
@@ -933,6 +938,7 @@ def train_and_log(config: Config, sharding: NamedSharding, out: Path, keys: PRNG
             f"{name} {np.mean(getattr(metrics, name)):.3g}" for name in PROGRESS_COLUMNS
         )
         eta = elapsed / (chunk + 1) * (num_chunks - chunk - 1)
+        total_steps = steps // (chunk + 1) * num_chunks  # every chunk has as many steps
         print(
             f"steps {steps:,}/{total_steps:,} ({steps / total_steps:.0%}) | SPS {sps:,.0f} | "
             f"updates/s {updates_per_second:,.0f} | return {shown} | {others} | "
@@ -983,22 +989,28 @@ def main(config: Config) -> None:
     out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", dataclasses.asdict(config))
-    keys = seed_keys(config)
+    keys = jax.device_put(seed_keys(config), sharding)
+    evaluate = jax.jit(
+        jax.vmap(make_evaluate(config)), in_shardings=sharding, out_shardings=sharding
+    )
     summary: dict[str, Any] = {"eval_only": config.eval_only, "stopped_early": False}
     if config.eval_only:
         print(f"{SCRIPT}: evaluating {config.num_seeds} seed(s) of {config.load_model}", flush=True)
+        params = jax.device_put(params, sharding)
     else:
+        # The evaluation compiles on a second thread while the chunks run.
+        init = make_train(config)[0]
+        params_shape = jax.eval_shape(jax.vmap(lambda key: trained_params(init(key))), keys.train)
+        evaluate = ThreadPoolExecutor(1).submit(evaluate.lower(params_shape, keys.evaluate).compile)
         state, rows, train_summary = train_and_log(config, sharding, out, keys.train)
+        evaluate = evaluate.result()
         params = trained_params(state)
         summary |= train_summary
         if config.save_model:
             save_checkpoint(out / "model.msgpack", config, params)
         if config.plot:
             plot_curves(out / "curves.png", config, rows)
-
-    evaluate = jax.jit(jax.vmap(make_evaluate(config)), out_shardings=sharding)
-    params = jax.device_put(params, sharding)
-    evaluation = jax.device_get(evaluate(params, jax.device_put(keys.evaluate, sharding)))
+    evaluation = jax.device_get(evaluate(params, keys.evaluate))
     per_seed = {name: np.asarray(values).mean(axis=1) for name, values in evaluation.items()}
     returns = per_seed["episode_return"]
     solved = int((returns >= SOLVED_RETURN).sum())
