@@ -1,18 +1,19 @@
 """PPO on CartPole-v1, fully on device. Docs: docs/ppo.md
 
-CleanRL's ppo.py in pure JAX, one compiled lax.scan per chunk of PPO iterations (Schulman et al.
-2017; GAE, Schulman et al. 2016; the implementation details of Huang et al. 2022).
+Proximal policy optimisation (Schulman et al. 2017) with generalised advantage estimation
+(Schulman et al. 2016) and the implementation details of Huang et al. 2022, shaped like CleanRL's
+ppo.py but pure JAX: the envs, the rollout, the advantages and every gradient step stay on the
+device, and one compiled `lax.scan` runs a chunk of PPO iterations.
 
-    python ppo_cartpole.py                   # train, evaluate, write runs/ppo_cartpole__0__<time>/
+    python ppo_cartpole.py                   # train, evaluate, write runs/ppo_cartpole__1__<time>/
     python ppo_cartpole.py --num-seeds 16    # 16 seeds in one vmapped program
     python ppo_cartpole.py --eval-only --load-model runs/<run>/model.msgpack
 """
 
-import contextlib
+import csv
 import dataclasses
 import io
 import json
-import math
 import os
 import signal
 import sys
@@ -20,35 +21,31 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import chex
 import flax.linen as nn
+import flax.serialization
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
 import tyro
-from flax import serialization, struct
-from jax import flatten_util
+from chex import Array, PRNGKey
+from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import envs
 
 SCRIPT = "ppo_cartpole"
-ENV_ID = "CartPole-v1"
-SOLVED_RETURN = 475.0  # CartPole-v1's reward_threshold in gymnasium's registry
-LOSS_NAMES = ("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac")
-METRIC_NAMES = ("episode_return", "episode_length", *LOSS_NAMES)
-CSV_COLUMNS = ("seed", "env_steps", "updates", "wall_seconds", "sps", *METRIC_NAMES)
+Params = Any  # a flax parameter tree
 
-# ---- config ---------------------------------------------------------------------------------
+# ---- config ----
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class EnvConfig:
     """CartPole-v1's constants (envs.CartPoleParams); the defaults are gymnasium's."""
 
@@ -62,20 +59,20 @@ class EnvConfig:
     """time limit in steps (a truncation: GAE still bootstraps there)"""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Config:
-    seed: int = 0
+    seed: int = 1
     """seed of the first run; seed i of --num-seeds uses seed + i"""
     num_seeds: int = 1
     """independent runs trained at once in one vmapped program"""
+    num_envs: int = 32
+    """parallel envs per seed"""
     total_timesteps: int = 98_304
-    """env steps per seed, all envs together (rounded down to whole chunks); default 48 iterations"""
+    """env steps per seed, all envs together (rounded down to whole chunks): 48 iterations"""
     learning_rate: float = 1e-2
     """Adam step size"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over training"""
-    num_envs: int = 32
-    """parallel envs per seed"""
     num_steps: int = 64
     """steps per env per rollout: one PPO iteration uses num_envs * num_steps env steps"""
     gamma: float = 0.99
@@ -105,7 +102,7 @@ class Config:
     log_every: int = 12_288
     """env steps per chunk (whole iterations): one progress line and one metrics row per seed"""
     output_dir: str | None = None
-    """where outputs go; None: runs/ppo_cartpole__<seed>__<unix time>"""
+    """where the outputs go; None: runs/ppo_cartpole__<seed>__<unix time>"""
     save_model: bool = True
     """write model.msgpack (every seed's parameters and this config)"""
     capture_gif: bool = True
@@ -113,234 +110,202 @@ class Config:
     plot: bool = True
     """write curves.png (return and losses against env steps)"""
     load_model: str | None = None
-    """model.msgpack to evaluate with --eval-only"""
+    """a model.msgpack to evaluate with --eval-only"""
     eval_only: bool = False
     """evaluate (and render) the --load-model checkpoint instead of training"""
+    compile_cache: bool = True
+    """keep compiled programs in JAX's persistent cache ($JAX_COMPILATION_CACHE_DIR or ~/.cache)"""
     env: EnvConfig = EnvConfig()
     """CartPole-v1's constants"""
 
 
-class UsageError(Exception):
-    """A user error: reported as one line, exit status 2, no traceback."""
+def make_env(config: Config) -> tuple[envs.Environment, envs.CartPoleParams]:
+    """The one place the env is made: any env with gymnax's API and a Discrete action space fits."""
+    return envs.CartPole(), envs.CartPoleParams(**dataclasses.asdict(config.env))
 
 
-def parse_config(args: Sequence[str] | None = None) -> Config:
-    """tyro.cli, with tyro's boxed parse errors reduced to one line (exit status 2)."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            return tyro.cli(Config, args=args, description=__doc__.splitlines()[0])
-    except SystemExit as exit_:
-        if (
-            exit_.code
-        ):  # not --help: the message under the box's title, wrapped lines joined, up to a rule
-            texts = [line.strip().strip("│|").strip() for line in captured.getvalue().splitlines()]
-            message = []  # a box in UTF-8, or ASCII rules without one: title, rule(s), message, rule
-            for text in texts[1:]:
-                if text.strip("─-+╭╮╰╯ "):
-                    message.append(text)
-                elif message:
-                    break
-            hints = [
-                texts[i + 1] for i, text in enumerate(texts[:-1]) if text == "Perhaps you meant:"
-            ]  # a typo
-            hint = f"; perhaps you meant {hints[0]}" if hints else ""
-            print(
-                f"{SCRIPT}.py: error: {' '.join(message) or 'bad arguments'}{hint} (see --help)",
-                file=sys.stderr,
-            )
-        raise
+def env_name(config: Config) -> str:
+    return "CartPole-v1"
 
 
-class Sizes(NamedTuple):  # the counts that follow from the config
-    batch_size: int  # env steps per PPO iteration, all envs
-    updates_per_iteration: int  # gradient steps
-    iterations_per_chunk: int
-    num_chunks: int
-    num_iterations: int
-    chunk_steps: int  # env steps per chunk
-    env_steps: int  # env steps per seed: total_timesteps rounded down to whole chunks
-
-
-def sizes(config: Config) -> Sizes:
+def chunk_sizes(config: Config) -> tuple[int, int]:
+    """(iterations per chunk, number of chunks); an iteration is one rollout and its update."""
     batch_size = config.num_envs * config.num_steps
-    iterations_per_chunk = max(1, config.log_every // batch_size)
+    iterations_per_chunk = max(config.log_every // batch_size, 1)
     num_chunks = config.total_timesteps // (iterations_per_chunk * batch_size)
-    return Sizes(
-        batch_size,
-        config.update_epochs * config.num_minibatches,
-        iterations_per_chunk,
-        num_chunks,
-        num_chunks * iterations_per_chunk,
-        iterations_per_chunk * batch_size,
-        num_chunks * iterations_per_chunk * batch_size,
-    )
+    return iterations_per_chunk, num_chunks
 
 
-def validate(config: Config) -> None:
-    """Raise UsageError naming the first bad flag and its allowed range; compiles nothing."""
-    rules = [
-        (
-            ">= 1",
-            lambda value: value >= 1,
-            [
-                "num_seeds",
-                "total_timesteps",
-                "num_envs",
-                "num_steps",
-                "log_every",
-                "num_minibatches",
-                "update_epochs",
-                "hidden_size",
-                "eval_episodes",
-            ],
-        ),
-        ("> 0", lambda value: value > 0, ["learning_rate", "clip_coef", "max_grad_norm"]),
-        (">= 0", lambda value: value >= 0, ["ent_coef", "vf_coef"]),
-        ("in (0, 1]", lambda value: 0 < value <= 1, ["gamma"]),
-        ("in [0, 1]", lambda value: 0 <= value <= 1, ["gae_lambda"]),
-        (
-            "in [0, 2**31 - num_seeds)",
-            lambda value: 0 <= value < 2**31 - config.num_seeds,
-            ["seed"],
-        ),
-        (
-            "> 0",
-            lambda value: value > 0,
-            [f"env.{name}" for name in dataclasses.asdict(config.env)],
-        ),
-    ]
-    for allowed, holds, names in rules:
-        for name in names:
-            value = (
-                getattr(config.env, name[4:]) if name.startswith("env.") else getattr(config, name)
-            )
-            if not holds(value):
-                raise UsageError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
-    size = sizes(config)
-    if size.batch_size % config.num_minibatches:
-        raise UsageError(
-            f"--num-minibatches must divide --num-envs * --num-steps = {size.batch_size}, "
-            f"got {config.num_minibatches}"
-        )
-    if size.num_chunks < 1 and not config.eval_only:
-        raise UsageError(
-            f"--total-timesteps must be at least one chunk, {size.chunk_steps} env steps (--log-every "
-            f"in whole iterations of {size.batch_size}), got {config.total_timesteps}"
-        )
-    if config.eval_only != (config.load_model is not None):
-        raise UsageError("--eval-only and --load-model PATH go together (evaluate a checkpoint)")
-    if config.num_seeds % jax.device_count():
-        raise UsageError(
-            f"--num-seeds must be a multiple of the {jax.device_count()} visible devices, "
-            f"over which the seeds are sharded; got {config.num_seeds}"
-        )
+# ---- networks ----
 
 
-# ---- networks -------------------------------------------------------------------------------
+def orthogonal(gain: float) -> Callable:
+    """nn.initializers.orthogonal's distribution (gain x a Haar-random orthogonal matrix), by
+    Newton-Schulz steps instead of a QR: batched LAPACK QR, as vmap(init) over seeds makes it,
+    deadlocks on the CPU jaxlib (reproduction in docs/ppo.md)."""
+
+    def init(key: PRNGKey, shape: Sequence[int], dtype: Any = jnp.float32) -> Array:
+        gaussian = jax.random.normal(key, shape, dtype)
+        x = gaussian / jnp.linalg.norm(gaussian)  # singular values in (0, 1]
+        # The polar factor G (G^T G)^-1/2: each step maps a singular value s to s (3 - s^2) / 2.
+        return gain * jax.lax.fori_loop(0, 60, lambda _, x: 1.5 * x - 0.5 * x @ (x.T @ x), x)
+
+    return init
 
 
-class MLP(nn.Module):
-    """tanh hidden layers and a linear head; init_orthogonal sets the weights."""
+# The gains of Huang et al. 2022 (detail 2); flax's biases start at zero.
+HIDDEN_INIT = orthogonal(np.sqrt(2))
+POLICY_INIT = orthogonal(0.01)  # a near-uniform first policy
+VALUE_INIT = orthogonal(1.0)
 
-    hidden_sizes: Sequence[int]
-    out_size: int
+
+class Actor(nn.Module):
+    """obs -> logits of the categorical policy: two tanh layers and a linear head."""
+
+    hidden_size: int
+    num_actions: int
 
     @nn.compact
-    def __call__(self, x: chex.Array) -> chex.Array:
-        for width in self.hidden_sizes:
-            x = nn.tanh(nn.Dense(width)(x))
-        return nn.Dense(self.out_size)(x)
+    def __call__(self, obs: Array) -> Array:
+        x = obs
+        for _ in range(2):
+            x = nn.tanh(nn.Dense(self.hidden_size, kernel_init=HIDDEN_INIT)(x))
+        return nn.Dense(self.num_actions, kernel_init=POLICY_INIT, name="logits")(x)
 
 
-def make_networks(config: Config, num_actions: int) -> tuple[MLP, MLP]:
-    """Separate actor (logits) and critic (value), no shared trunk: on CartPole one would only couple
-    two losses of different scales (Huang et al. 2022, detail 13), and the rollout runs the actor alone."""
-    hidden = (config.hidden_size, config.hidden_size)
-    return MLP(hidden, num_actions), MLP(hidden, 1)
+class Critic(nn.Module):
+    """obs -> V(obs). A network of its own, no trunk shared with the actor (Huang et al. 2022,
+    detail 13): on CartPole one would only couple two losses of different scales."""
+
+    hidden_size: int
+
+    @nn.compact
+    def __call__(self, obs: Array) -> Array:
+        x = obs
+        for _ in range(2):
+            x = nn.tanh(nn.Dense(self.hidden_size, kernel_init=HIDDEN_INIT)(x))
+        return nn.Dense(1, kernel_init=VALUE_INIT, name="value")(x).squeeze(-1)
 
 
-def init_orthogonal(
-    networks: dict[str, tuple[MLP, float]], key: chex.PRNGKey, obs_shape: Sequence[int]
-) -> dict:
-    """Parameters of each named (network, head gain): orthogonal weights, gain sqrt(2) and the head's
-    own (0.01 for the policy, which then starts near uniform; 1 for the value), zero biases (Huang et
-    al. 2022, detail 2). A weight is the polar factor G (G^T G)^-1/2 of a Gaussian G, as uniform as
-    flax's QR of G, by Newton-Schulz steps (batched LAPACK QR can deadlock on CPU: docs/ppo.md),
-    from one Gaussian draw for all layers (on CPU each random-draw site is costly code to compile)."""
-    shapes = {
-        name: jax.eval_shape(net.init, key, jnp.zeros(obs_shape))
-        for name, (net, _) in networks.items()
-    }
-    flat, unravel = flatten_util.ravel_pytree(
-        jax.tree.map(lambda leaf: jnp.zeros(leaf.shape), shapes)
-    )
-    gaussians = unravel(jax.random.normal(key, flat.shape))
-
-    def orthogonal(path, gaussian: chex.Array) -> chex.Array:
-        if path[-1].key == "bias":
-            return jnp.zeros_like(gaussian)
-        net, head_gain = networks[path[0].key]
-        x = gaussian / jnp.linalg.norm(gaussian)  # singular values in (0, 1]
-        # A step maps each singular value s to s (3 - s^2) / 2: towards 1, x 1.5 while small.
-        polar = jax.lax.fori_loop(0, 60, lambda _, x: 1.5 * x - 0.5 * x @ (x.T @ x), x)
-        return polar * (
-            head_gain if path[-2].key == f"Dense_{len(net.hidden_sizes)}" else math.sqrt(2)
-        )
-
-    return jax.tree_util.tree_map_with_path(orthogonal, gaussians)
-
-
-def categorical_log_prob(logits: chex.Array, action: chex.Array) -> chex.Array:
+def categorical_log_prob(logits: Array, action: Array) -> Array:
     return jnp.take_along_axis(jax.nn.log_softmax(logits), action[..., None], axis=-1)[..., 0]
 
 
-# ---- train state and losses -----------------------------------------------------------------
+def categorical_entropy(logits: Array) -> Array:
+    log_probs = jax.nn.log_softmax(logits)
+    return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+
+# ---- train state and losses ----
+
+
+@struct.dataclass
+class Learner:
+    """What a gradient update changes."""
+
+    params: Params  # {"actor": ..., "critic": ...}
+    opt_state: optax.OptState
 
 
 @struct.dataclass
 class TrainState:
-    params: dict  # {"actor": ..., "critic": ...}
-    opt_state: optax.OptState
-    env_state: envs.EpisodeStatsState  # batched over num_envs
-    obs: chex.Array  # [num_envs, obs_size], what each env shows now
-    key: chex.PRNGKey
+    """Everything that flows through the training scan (one seed)."""
+
+    learner: Learner
+    env_state: envs.EpisodeStatsState  # [num_envs]
+    obs: Array  # [num_envs, obs_dim], what each env shows now
+    key: PRNGKey
 
 
 @struct.dataclass
-class Transition:  # one rollout step of every env; [num_steps, num_envs, ...] after the scan
-    obs: chex.Array
-    action: chex.Array
-    log_prob: chex.Array
-    reward: chex.Array
-    terminated: chex.Array
-    truncated: chex.Array
-    final_obs: chex.Array  # the observation the step reached, before any auto-reset
-    episode_return: chex.Array  # of the episode that ended at this step, 0 elsewhere
-    episode_length: chex.Array
+class Transition:
+    """One rollout step of every env; [num_steps, num_envs, ...] after the rollout's scan."""
+
+    obs: Array
+    action: Array
+    log_prob: Array  # of the action, under the policy that drew it
+    reward: Array
+    terminated: Array
+    truncated: Array
+    final_obs: Array  # the observation the step reached, before any auto-reset
+    episode_ended: Array
+    episode_return: Array  # of the episode that ended at this step, 0 elsewhere
+    episode_length: Array
 
 
 @struct.dataclass
-class Batch:  # what the PPO update needs of each sample; leading axis: samples
-    obs: chex.Array
-    action: chex.Array
-    log_prob: chex.Array
-    value: chex.Array
-    advantage: chex.Array
-    target: chex.Array  # the lambda-return: advantage + value
+class Batch:
+    """What the PPO update needs of each sample; leading axis: samples."""
+
+    obs: Array
+    action: Array
+    log_prob: Array
+    value: Array  # the critic's estimate when the rollout was made
+    advantage: Array
+    target: Array  # the lambda-return: advantage + value
 
 
-def compute_gae(rewards, values, next_values, terminated, truncated, gamma, gae_lambda):
+@struct.dataclass
+class Losses:
+    value_loss: Array
+    policy_loss: Array
+    entropy: Array
+    approx_kl: Array  # the (ratio - 1) - log ratio estimator
+    clip_frac: Array  # the fraction of samples whose ratio was clipped
+
+
+@struct.dataclass
+class IterationLog:
+    """What one PPO iteration reports to its chunk's metrics."""
+
+    episode_ended: Array  # [num_steps, num_envs]
+    episode_return: Array
+    episode_length: Array
+    losses: Losses  # means over the iteration's gradient steps
+
+
+@struct.dataclass
+class Metrics:
+    """A chunk's numbers for one seed: means over its completed episodes (NaN where none
+    ended) and over its gradient steps."""
+
+    env_steps: Array
+    updates: Array
+    episode_return: Array
+    episode_length: Array
+    value_loss: Array
+    policy_loss: Array
+    entropy: Array
+    approx_kl: Array
+    clip_frac: Array
+    params_finite: Array  # False once any parameter is NaN or inf
+
+
+def trained_params(state: TrainState) -> Params:
+    """What a checkpoint keeps and the evaluation reads."""
+    return state.learner.params
+
+
+def compute_gae(
+    rewards: Array,
+    values: Array,
+    next_values: Array,
+    terminated: Array,
+    truncated: Array,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[Array, Array]:
     """GAE(lambda) over [num_steps, num_envs] arrays by a reverse scan (Schulman et al. 2016).
     next_values[t] is the value of the state step t reached: the next observation's, or at an
     episode end the final observation's (before the auto-reset). A termination bootstraps
     nothing; a time-limit truncation bootstraps next_values[t], as the state is not terminal.
-    Either end stops the advantage sum at the boundary. Returns (advantages, advantages + values)."""
+    Either end stops the advantage sum at the boundary. Returns (advantages, lambda-returns
+    = advantages + values)."""
     chex.assert_equal_shape([rewards, values, next_values, terminated, truncated])
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
     continues = 1.0 - jnp.logical_or(terminated, truncated)
 
-    def backward(next_advantage, delta_and_continues):
+    def backward(next_advantage: Array, delta_and_continues: tuple[Array, Array]):
         delta, continuing = delta_and_continues
         advantage = delta + gamma * gae_lambda * continuing * next_advantage
         return advantage, advantage
@@ -351,7 +316,9 @@ def compute_gae(rewards, values, next_values, terminated, truncated, gamma, gae_
     return advantages, advantages + values
 
 
-def policy_loss(log_prob, old_log_prob, advantages, clip_coef):
+def policy_loss(
+    log_prob: Array, old_log_prob: Array, advantages: Array, clip_coef: float
+) -> tuple[Array, Array, Array]:
     """PPO's clipped surrogate objective (Schulman et al. 2017, eq. 7), negated for descent.
     Returns (loss, approx_kl, clip_frac); approx_kl is the (ratio - 1) - log ratio estimator."""
     chex.assert_equal_shape([log_prob, old_log_prob, advantages])
@@ -359,10 +326,14 @@ def policy_loss(log_prob, old_log_prob, advantages, clip_coef):
     ratio = jnp.exp(log_ratio)
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_coef, 1.0 + clip_coef)
     loss = jnp.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
-    return loss, ((ratio - 1.0) - log_ratio).mean(), (jnp.abs(ratio - 1.0) > clip_coef).mean()
+    approx_kl = ((ratio - 1.0) - log_ratio).mean()
+    clip_frac = (jnp.abs(ratio - 1.0) > clip_coef).mean()
+    return loss, approx_kl, clip_frac
 
 
-def value_loss(values, old_values, targets, clip_coef, clip_vloss: bool):
+def value_loss(
+    values: Array, old_values: Array, targets: Array, clip_coef: float, clip_vloss: bool
+) -> Array:
     """Half the mean squared error to the lambda-returns; with clip_vloss, the larger of the plain
     and the clipped error, as PPO's reference code (Huang et al. 2022, detail 9)."""
     chex.assert_equal_shape([values, old_values, targets])
@@ -374,134 +345,103 @@ def value_loss(values, old_values, targets, clip_coef, clip_vloss: bool):
 
 
 def minibatch_indices(
-    key: chex.PRNGKey, num_epochs: int, batch_size: int, num_minibatches: int
-) -> chex.Array:
+    key: PRNGKey, num_epochs: int, batch_size: int, num_minibatches: int
+) -> Array:
     """A fresh permutation of the batch per epoch, cut into minibatches: int[num_epochs,
-    num_minibatches, batch_size // num_minibatches]. Each permutation sorts random 32-bit keys,
-    as jax.random.permutation does, but all epochs share one random draw."""
-    permutations = jnp.argsort(jax.random.bits(key, (num_epochs, batch_size)), axis=-1)
+    num_minibatches, batch_size // num_minibatches]."""
+    samples = jnp.broadcast_to(jnp.arange(batch_size), (num_epochs, batch_size))
+    permutations = jax.random.permutation(key, samples, axis=1, independent=True)
     return permutations.reshape(num_epochs, num_minibatches, batch_size // num_minibatches)
 
 
-# ---- training -------------------------------------------------------------------------------
+def masked_mean(values: Array, mask: Array) -> Array:
+    """The mean of `values` where `mask` holds; NaN where it holds nowhere."""
+    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.where(mask.any(), mask.sum(), jnp.nan)
 
 
-def make_env(config: Config) -> tuple[envs.Environment, envs.CartPoleParams]:
-    return envs.make(ENV_ID)[0], envs.CartPoleParams(**dataclasses.asdict(config.env))
+# ---- training ----
 
 
-def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
-    """Static work once; returns pure init(key) -> state, run_chunk(state) -> (state, metrics)
-    and train(key) -> (state, metrics with a leading chunk axis)."""
-    size = sizes(config)
+def make_train(config: Config):
+    """Static work once; returns the pure functions init(key) -> state, run_chunk(state, chunk)
+    -> (state, metrics) and train(key) -> (state, metrics with a leading chunk axis)."""
+    iterations_per_chunk, num_chunks = chunk_sizes(config)
+    num_iterations = iterations_per_chunk * num_chunks
+    num_envs = config.num_envs
+    num_steps = config.num_steps
+    batch_size = num_envs * num_steps
+    updates_per_iteration = config.update_epochs * config.num_minibatches
     env, env_params = make_env(config)
     env = envs.EpisodeStats(env)
-    obs_shape = env.observation_space(env_params).shape
-    actor, critic = make_networks(config, env.num_actions)
+    num_actions = env.num_actions
+    actor = Actor(config.hidden_size, num_actions)
+    critic = Critic(config.hidden_size)
     step_envs = jax.vmap(env.step, in_axes=(0, 0, 0, None))
 
-    def learning_rate(
-        count: chex.Array,
-    ) -> chex.Array:  # linear to 0, constant within an iteration (CleanRL)
-        fraction_left = 1.0 - (count // size.updates_per_iteration) / size.num_iterations
+    def learning_rate(count: Array) -> Array:
+        """Linear to 0 over training, constant within an iteration (CleanRL's annealing)."""
+        fraction_left = 1.0 - (count // updates_per_iteration) / num_iterations
         return config.learning_rate * (fraction_left if config.anneal_lr else 1.0)
 
-    # On one flat vector of all parameters (optax.flatten): the same maths, in a few fused
-    # kernels rather than a few per parameter array, which keeps the compile time down.
+    # optax.flatten: the same maths on one flat vector of all parameters, in a few fused
+    # kernels rather than a few per parameter array (less code for XLA to compile).
     optimizer = optax.flatten(
         optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm),
-            optax.adam(
-                learning_rate, eps=1e-5
-            ),  # eps of PPO's reference code (Huang et al. 2022, detail 3)
+            optax.adam(learning_rate, eps=1e-5),  # PPO's reference eps (Huang et al., detail 3)
         )
     )
 
-    def init(key: chex.PRNGKey) -> TrainState:
-        key_params, key_envs, key = jax.random.split(key, 3)
-        params = init_orthogonal(
-            {"actor": (actor, 0.01), "critic": (critic, 1.0)}, key_params, obs_shape
-        )
-        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-            jax.random.split(key_envs, config.num_envs), env_params
-        )
-        return TrainState(params, optimizer.init(params), env_state, obs, key)
+    def init(key: PRNGKey) -> TrainState:
+        """Fresh networks, optimiser and envs."""
+        key_actor, key_critic, key_envs, key_loop = jax.random.split(key, 4)
+        reset_envs = jax.vmap(env.reset, in_axes=(0, None))
+        obs, env_state = reset_envs(jax.random.split(key_envs, num_envs), env_params)
+        params = {"actor": actor.init(key_actor, obs), "critic": critic.init(key_critic, obs)}
+        learner = Learner(params=params, opt_state=optimizer.init(params))
+        return TrainState(learner=learner, env_state=env_state, obs=obs, key=key_loop)
 
-    def rollout(state: TrainState, key_actions: chex.PRNGKey, env_keys: chex.PRNGKey):
-        # The actions' randomness in one draw before the scan: Gumbel noise, as
-        # argmax(logits + Gumbel) is a sample of softmax(logits). env_keys: [num_steps, num_envs].
-        gumbel = jax.random.gumbel(
-            key_actions, (config.num_steps, config.num_envs, env.num_actions)
-        )
+    # COLLECT TRAJECTORIES
 
-        def env_step(carry, noise_and_keys):
-            env_state, obs = carry
+    def rollout(
+        state: TrainState, key_actions: PRNGKey, key_envs: PRNGKey
+    ) -> tuple[TrainState, Transition]:
+        """num_steps steps of every env with the current policy."""
+        # argmax(logits + Gumbel noise) is a draw from softmax(logits), as jax.random.categorical
+        # does it; the whole rollout's noise in one draw before the scan.
+        gumbel = jax.random.gumbel(key_actions, (num_steps, num_envs, num_actions))
+        env_keys = jax.random.split(key_envs, (num_steps, num_envs))
+
+        def step(state: TrainState, noise_and_keys: tuple[Array, PRNGKey]):
             noise, keys = noise_and_keys
-            logits = actor.apply(state.params["actor"], obs)
+            logits = actor.apply(state.learner.params["actor"], state.obs)
             action = jnp.argmax(logits + noise, axis=-1)
-            next_obs, env_state, reward, terminated, truncated, info = step_envs(
-                keys, env_state, action, env_params
+            obs, env_state, reward, terminated, truncated, info = step_envs(
+                keys, state.env_state, action, env_params
             )
             transition = Transition(
-                obs,
-                action,
-                categorical_log_prob(logits, action),
-                reward,
-                terminated,
-                truncated,
-                info["final_observation"],
-                info["episode_return"],
-                info["episode_length"],
+                obs=state.obs,
+                action=action,
+                log_prob=categorical_log_prob(logits, action),
+                reward=reward,
+                terminated=terminated,
+                truncated=truncated,
+                final_obs=info["final_observation"],
+                episode_ended=info["returned_episode"],
+                episode_return=info["episode_return"],
+                episode_length=info["episode_length"],
             )
-            return (env_state, next_obs), transition
+            return state.replace(env_state=env_state, obs=obs), transition
 
-        (env_state, obs), transitions = jax.lax.scan(
-            env_step, (state.env_state, state.obs), (gumbel, env_keys)
-        )
-        return state.replace(env_state=env_state, obs=obs), transitions
+        return jax.lax.scan(step, state, (gumbel, env_keys))
 
-    def loss_fn(params: dict, minibatch: Batch) -> tuple[chex.Array, dict]:
-        logits = actor.apply(params["actor"], minibatch.obs)
-        log_probs = jax.nn.log_softmax(logits)
-        entropy = -(jnp.exp(log_probs) * log_probs).sum(-1).mean()
-        advantages = minibatch.advantage
-        if config.norm_adv:
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-        pg_loss, approx_kl, clip_frac = policy_loss(
-            categorical_log_prob(logits, minibatch.action),
-            minibatch.log_prob,
-            advantages,
-            config.clip_coef,
-        )
-        values = critic.apply(params["critic"], minibatch.obs)[..., 0]
-        v_loss = value_loss(
-            values, minibatch.value, minibatch.target, config.clip_coef, config.clip_vloss
-        )
-        loss = pg_loss - config.ent_coef * entropy + config.vf_coef * v_loss
-        return loss, dict(
-            zip(LOSS_NAMES, (v_loss, pg_loss, entropy, approx_kl, clip_frac), strict=True)
-        )
+    # CALCULATE ADVANTAGE
 
-    def update_minibatch(carry, minibatch: Batch):
-        params, opt_state = carry
-        grads, losses = jax.grad(loss_fn, has_aux=True)(params, minibatch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), losses
-
-    def update_epoch(batch: Batch, carry, indices: chex.Array):
-        return jax.lax.scan(update_minibatch, carry, jax.tree.map(lambda x: x[indices], batch))
-
-    def run_iteration(state: TrainState, _) -> tuple[TrainState, dict]:
-        # One rollout, GAE, then update_epochs x num_minibatches steps. All keys from one split:
-        # on CPU every random-draw site is costly code to compile.
-        keys = jax.random.split(state.key, 3 + config.num_steps * config.num_envs)
-        key, key_actions, key_minibatches = keys[:3]
-        state, transitions = rollout(
-            state, key_actions, keys[3:].reshape(config.num_steps, config.num_envs)
-        )
-        chex.assert_shape(transitions.reward, (config.num_steps, config.num_envs))
-        values = critic.apply(state.params["critic"], transitions.obs)[..., 0]
-        next_values = critic.apply(state.params["critic"], transitions.final_obs)[..., 0]
+    def make_batch(critic_params: Params, transitions: Transition) -> Batch:
+        """The critic over every visited and every reached state, GAE, then flat samples."""
+        chex.assert_shape(transitions.reward, (num_steps, num_envs))
+        values = critic.apply(critic_params, transitions.obs)
+        next_values = critic.apply(critic_params, transitions.final_obs)
         advantages, targets = compute_gae(
             transitions.reward,
             values,
@@ -512,364 +452,566 @@ def make_train(config: Config) -> tuple[Callable, Callable, Callable]:
             config.gae_lambda,
         )
         batch = Batch(
-            transitions.obs, transitions.action, transitions.log_prob, values, advantages, targets
+            obs=transitions.obs,
+            action=transitions.action,
+            log_prob=transitions.log_prob,
+            value=values,
+            advantage=advantages,
+            target=targets,
         )
-        batch = jax.tree.map(lambda x: x.reshape(size.batch_size, *x.shape[2:]), batch)
-        indices = minibatch_indices(
-            key_minibatches, config.update_epochs, size.batch_size, config.num_minibatches
-        )
-        (params, opt_state), losses = jax.lax.scan(
-            partial(update_epoch, batch), (state.params, state.opt_state), indices
-        )
-        done = transitions.terminated | transitions.truncated
-        stats = {name: loss.mean() for name, loss in losses.items()}
-        stats |= dict(
-            episodes=done.sum(),
-            return_sum=jnp.where(done, transitions.episode_return, 0.0).sum(),
-            length_sum=jnp.where(done, transitions.episode_length, 0).sum(),
-        )
-        return state.replace(params=params, opt_state=opt_state, key=key), stats
+        return jax.tree.map(lambda x: x.reshape(batch_size, *x.shape[2:]), batch)
 
-    def run_chunk(state: TrainState) -> tuple[TrainState, dict]:
-        state, stats = jax.lax.scan(run_iteration, state, None, length=size.iterations_per_chunk)
-        episodes = stats["episodes"].sum()
-        per_episode = 1.0 / jnp.where(episodes > 0, episodes, jnp.nan)  # NaN when no episode ended
-        metrics = {name: stats[name].mean() for name in LOSS_NAMES}
-        metrics |= dict(
-            episode_return=stats["return_sum"].sum() * per_episode,
-            episode_length=stats["length_sum"].sum() * per_episode,
-            params_finite=jnp.isfinite(flatten_util.ravel_pytree(state.params)[0]).all(),
+    # UPDATE NETWORKS: update_epochs epochs of num_minibatches gradient steps
+
+    def loss(params: Params, minibatch: Batch) -> tuple[Array, Losses]:
+        """The clipped surrogate, minus the entropy bonus, plus the weighted value loss."""
+        logits = actor.apply(params["actor"], minibatch.obs)
+        advantages = minibatch.advantage
+        if config.norm_adv:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        log_prob = categorical_log_prob(logits, minibatch.action)
+        pg_loss, approx_kl, clip_frac = policy_loss(
+            log_prob, minibatch.log_prob, advantages, config.clip_coef
+        )
+        values = critic.apply(params["critic"], minibatch.obs)
+        v_loss = value_loss(
+            values, minibatch.value, minibatch.target, config.clip_coef, config.clip_vloss
+        )
+        entropy = categorical_entropy(logits).mean()
+        total = pg_loss - config.ent_coef * entropy + config.vf_coef * v_loss
+        losses = Losses(
+            value_loss=v_loss,
+            policy_loss=pg_loss,
+            entropy=entropy,
+            approx_kl=approx_kl,
+            clip_frac=clip_frac,
+        )
+        return total, losses
+
+    def update_minibatch(learner: Learner, minibatch: Batch) -> tuple[Learner, Losses]:
+        """One gradient step."""
+        grads, losses = jax.grad(loss, has_aux=True)(learner.params, minibatch)
+        updates, opt_state = optimizer.update(grads, learner.opt_state, learner.params)
+        params = optax.apply_updates(learner.params, updates)
+        return Learner(params=params, opt_state=opt_state), losses
+
+    def update(learner: Learner, batch: Batch, key: PRNGKey) -> tuple[Learner, Losses]:
+        """update_epochs passes over the batch, each in minibatches of a fresh permutation;
+        the losses averaged over every step."""
+        indices = minibatch_indices(key, config.update_epochs, batch_size, config.num_minibatches)
+
+        def update_epoch(learner: Learner, epoch_indices: Array) -> tuple[Learner, Losses]:
+            minibatches = jax.tree.map(lambda x: x[epoch_indices], batch)
+            return jax.lax.scan(update_minibatch, learner, minibatches)
+
+        learner, losses = jax.lax.scan(update_epoch, learner, indices)
+        return learner, jax.tree.map(jnp.mean, losses)
+
+    def iteration(state: TrainState, _: None) -> tuple[TrainState, IterationLog]:
+        """One PPO iteration: a rollout, its advantages, then the update."""
+        key, key_actions, key_envs, key_update = jax.random.split(state.key, 4)
+        state, transitions = rollout(state, key_actions, key_envs)
+        batch = make_batch(state.learner.params["critic"], transitions)
+        learner, losses = update(state.learner, batch, key_update)
+        log = IterationLog(
+            episode_ended=transitions.episode_ended,
+            episode_return=transitions.episode_return,
+            episode_length=transitions.episode_length,
+            losses=losses,
+        )
+        return state.replace(learner=learner, key=key), log
+
+    def run_chunk(state: TrainState, chunk: Array) -> tuple[TrainState, Metrics]:
+        """Chunk number `chunk` (from 0): iterations_per_chunk iterations in one scan; `chunk`
+        gives the counts of env steps and updates done."""
+        state, log = jax.lax.scan(iteration, state, None, length=iterations_per_chunk)
+        iterations_done = (chunk + 1) * iterations_per_chunk
+        losses = jax.tree.map(jnp.mean, log.losses)
+        flat_params, _ = jax.flatten_util.ravel_pytree(trained_params(state))
+        metrics = Metrics(
+            env_steps=iterations_done * batch_size,
+            updates=iterations_done * updates_per_iteration,
+            episode_return=masked_mean(log.episode_return, log.episode_ended),
+            episode_length=masked_mean(log.episode_length, log.episode_ended),
+            value_loss=losses.value_loss,
+            policy_loss=losses.policy_loss,
+            entropy=losses.entropy,
+            approx_kl=losses.approx_kl,
+            clip_frac=losses.clip_frac,
+            params_finite=jnp.isfinite(flat_params).all(),
         )
         return state, metrics
 
-    def train(key: chex.PRNGKey) -> tuple[TrainState, dict]:
-        return jax.lax.scan(
-            lambda state, _: run_chunk(state), init(key), None, length=size.num_chunks
-        )
+    def train(key: PRNGKey) -> tuple[TrainState, Metrics]:
+        return jax.lax.scan(run_chunk, init(key), jnp.arange(num_chunks))
 
     return init, run_chunk, train
 
 
-# ---- evaluation, checkpoint, plots, GIF -----------------------------------------------------
+# ---- evaluation ----
+
+GIF_ENVS = 4  # carts side by side in policy.gif
+STEPS_PER_FRAME = 2  # policy.gif shows every second step (in real time)
 
 
-def make_evaluate(config: Config) -> Callable:
-    """evaluate(actor_params, key) -> (returns [eval_episodes], env states [eval_episodes, max_steps]) of
-    the greedy policy: the time limit's steps without auto-reset, the state kept once an episode ended."""
+def make_greedy_episodes(config: Config):
+    """play(params, key, num_episodes) -> (returns [num_episodes], env states [time,
+    num_episodes]) of the greedy policy: the time limit's steps without auto-reset, rewards
+    after a termination masked, and each env's state kept from its episode's end on."""
     env, env_params = make_env(config)
-    actor, _ = make_networks(config, env.num_actions)
+    actor = Actor(config.hidden_size, env.num_actions)
+    step_envs = jax.vmap(env.step_env, in_axes=(0, 0, 0, None))
+    max_steps = config.env.max_steps_in_episode
 
-    def episode(actor_params: dict, keys: chex.PRNGKey) -> tuple[chex.Array, envs.CartPoleState]:
-        def step(carry, key):
+    def play(params: Params, key: PRNGKey, num_episodes: int) -> tuple[Array, Any]:
+        key_reset, key_steps = jax.random.split(key)
+        reset_keys = jax.random.split(key_reset, num_episodes)
+        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)
+
+        def step(carry, keys: PRNGKey):
             obs, env_state, total, running = carry
-            action = jnp.argmax(actor.apply(actor_params, obs))
-            obs, next_state, reward, terminated, _ = env.step_env(
-                key, env_state, action, env_params
-            )
-            env_state = jax.tree.map(
+            action = jnp.argmax(actor.apply(params["actor"], obs), axis=-1)
+            obs, next_state, reward, terminated, _ = step_envs(keys, env_state, action, env_params)
+            next_state = jax.tree.map(
                 lambda new, old: jnp.where(running, new, old), next_state, env_state
             )
-            return (obs, env_state, total + reward * running, running & ~terminated), env_state
+            total = total + jnp.where(running, reward, 0.0)
+            return (obs, next_state, total, running & ~terminated), env_state
 
-        carry = (*env.reset(keys[0], env_params), jnp.float32(0.0), jnp.bool_(True))
-        (_, _, total, _), states = jax.lax.scan(step, carry, keys[1:])
+        carry = (obs, env_state, jnp.zeros(num_episodes), jnp.ones(num_episodes, bool))
+        step_keys = jax.random.split(key_steps, (max_steps, num_episodes))
+        (_, _, total, _), states = jax.lax.scan(step, carry, step_keys)
         return total, states
 
-    def evaluate(actor_params: dict, key: chex.PRNGKey) -> tuple[chex.Array, envs.CartPoleState]:
-        keys = jax.random.split(key, (config.eval_episodes, 1 + config.env.max_steps_in_episode))
-        return jax.vmap(episode, in_axes=(None, 0))(actor_params, keys)
+    return env, env_params, play
+
+
+def make_evaluate(config: Config):
+    """evaluate(params, key) -> {"episode_return": [eval_episodes]} of the greedy policy."""
+    _, _, play = make_greedy_episodes(config)
+
+    def evaluate(params: Params, key: PRNGKey) -> dict[str, Array]:
+        returns, _ = play(params, key, config.eval_episodes)
+        return {"episode_return": returns}
 
     return evaluate
 
 
+def make_render(config: Config):
+    """(render(params, key) -> uint8 frames [time, height, width, 3]: one episode of the greedy
+    policy in GIF_ENVS carts side by side, every STEPS_PER_FRAME-th step, drawn by the env's
+    renderer; seconds of simulated time per frame)."""
+    env, env_params, play = make_greedy_episodes(config)
+    draw = jax.vmap(lambda env_state: env.render(env_state, env_params, height=120, width=180))
+
+    def render(params: Params, key: PRNGKey) -> Array:
+        _, states = play(params, key, GIF_ENVS)
+        shown = jax.tree.map(lambda x: x[::STEPS_PER_FRAME], states)
+        images = jax.lax.map(draw, shown)  # [time, GIF_ENVS, height, width, 3]
+        return jnp.concatenate(jnp.unstack(images, axis=1), axis=2)  # the carts left to right
+
+    return render, STEPS_PER_FRAME * env_params.tau
+
+
+# ---- command line: nothing below changes what is learned ----
+
+SOLVED_RETURN = 475.0  # CartPole-v1's reward_threshold in gymnasium's registry
+LOSS_COLUMNS = ("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac")  # checked for NaN
+METRIC_COLUMNS = ("episode_return", "episode_length", *LOSS_COLUMNS)  # fields of Metrics
+CSV_COLUMNS = ("seed", "env_steps", "updates", "wall_seconds", "sps", *METRIC_COLUMNS)
+PROGRESS_COLUMNS = ("value_loss", "entropy", "approx_kl")  # on each progress line after the return
+# With --eval-only the checkpoint's config sets every field but these.
+EVAL_ONLY_FIELDS = (
+    "eval_episodes",
+    "output_dir",
+    "capture_gif",
+    "plot",
+    "load_model",
+    "eval_only",
+    "save_model",
+    "compile_cache",
+)
+
+
+class UsageError(Exception):
+    """A user error: reported as one line, exit status 2, no traceback."""
+
+
+def require(holds: bool, name: str, allowed: str, value: Any) -> None:
+    if not holds:
+        raise UsageError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+
+
+def validate(config: Config) -> None:
+    """Raise UsageError naming the first bad flag and its allowed range; compiles nothing."""
+    for name in ("num_seeds", "num_envs", "num_steps", "total_timesteps", "num_minibatches"):
+        require(getattr(config, name) >= 1, name, ">= 1", getattr(config, name))
+    for name in ("update_epochs", "hidden_size", "eval_episodes", "log_every"):
+        require(getattr(config, name) >= 1, name, ">= 1", getattr(config, name))
+    for name, value in dataclasses.asdict(config.env).items():
+        require(value > 0, f"env.{name}", "> 0", value)
+    require(
+        0 <= config.seed < 2**31 - config.num_seeds,
+        "seed",
+        "in [0, 2**31 - num-seeds)",
+        config.seed,
+    )
+    for name in ("learning_rate", "clip_coef", "max_grad_norm"):
+        require(getattr(config, name) > 0, name, "> 0", getattr(config, name))
+    for name in ("ent_coef", "vf_coef"):
+        require(getattr(config, name) >= 0, name, ">= 0", getattr(config, name))
+    require(0 < config.gamma <= 1, "gamma", "in (0, 1]", config.gamma)
+    require(0 <= config.gae_lambda <= 1, "gae_lambda", "in [0, 1]", config.gae_lambda)
+    batch_size = config.num_envs * config.num_steps
+    divides = f"a divisor of --num-envs * --num-steps ({batch_size})"
+    divides_ok = batch_size % config.num_minibatches == 0
+    require(divides_ok, "num_minibatches", divides, config.num_minibatches)
+    iterations_per_chunk, num_chunks = chunk_sizes(config)
+    chunk_steps = iterations_per_chunk * batch_size
+    if not config.eval_only:
+        one_chunk = f">= one chunk ({chunk_steps} env steps, see --log-every)"
+        require(num_chunks >= 1, "total_timesteps", one_chunk, config.total_timesteps)
+    devices = f"a multiple of the {jax.device_count()} devices"
+    require(config.num_seeds % jax.device_count() == 0, "num_seeds", devices, config.num_seeds)
+    if config.eval_only != (config.load_model is not None):
+        raise UsageError("--eval-only and --load-model PATH go together (evaluate a checkpoint)")
+    exists = config.load_model is None or Path(config.load_model).is_file()
+    require(exists, "load_model", "an existing file", config.load_model)
+
+
+def enable_compile_cache(config: Config) -> str:
+    """Turn on JAX's persistent compilation cache (a rerun loads its programs instead of compiling
+    them); returns where it is, or why it is off."""
+    if not config.compile_cache:  # (JAX itself still reads $JAX_COMPILATION_CACHE_DIR if set)
+        return "off (--no-compile-cache)"
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jax-rl-scripts"
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(default)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # small CPU programs too
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_compilation_cache_max_size", 2**30)  # the least recently used go first
+    return path
+
+
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     """write(temporary path), then a rename: a reader never sees a half-written file."""
-    temporary = path.with_name(path.name + ".tmp")
+    temporary = path.with_name(f".{path.name}.tmp")
     write(temporary)
     os.replace(temporary, path)
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    lines = [",".join(CSV_COLUMNS)] + [
-        ",".join(str(row[column]) for column in CSV_COLUMNS) for row in rows
-    ]
-    write_atomic(path, lambda temporary: temporary.write_text("\n".join(lines) + "\n"))
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(path, lambda temporary: temporary.write_text(text.getvalue()))
 
 
-def save_checkpoint(path: Path, config: Config, params: dict) -> None:
-    """Every seed's parameters (leading seed axis), with the config, script and env id."""
-    payload = {
-        "script": SCRIPT,
-        "env_id": ENV_ID,
-        "config": json.dumps(dataclasses.asdict(config)),
-        "params": jax.device_get(params),
-    }
-    write_atomic(
-        path, lambda temporary: temporary.write_bytes(serialization.msgpack_serialize(payload))
-    )
+def write_json(path: Path, values: dict) -> None:
+    write_atomic(path, lambda temporary: temporary.write_text(json.dumps(values, indent=2) + "\n"))
 
 
-def load_checkpoint(config: Config) -> tuple[Config, dict]:
-    """(the checkpoint's config with this run's evaluation and output flags, every seed's actor
-    params); UsageError for a file that is not a checkpoint of this script and env."""
-    try:
-        payload = serialization.msgpack_restore(Path(config.load_model).read_bytes())
-        script, env_id = payload["script"], payload["env_id"]
-        if (script, env_id) == (SCRIPT, ENV_ID):
-            saved = json.loads(payload["config"])
-            saved = Config(**{**saved, "env": EnvConfig(**saved["env"])})
-    except Exception as error:  # any unreadable file is the same user error
-        raise UsageError(
-            f"--load-model {config.load_model} is not a readable model.msgpack ({error})"
-        ) from None
-    if (script, env_id) != (SCRIPT, ENV_ID):
-        raise UsageError(
-            f"--load-model {config.load_model} is a {script} checkpoint for {env_id}; "
-            f"this script evaluates {SCRIPT} on {ENV_ID}"
-        )
-    config = dataclasses.replace(
-        saved,
-        eval_episodes=config.eval_episodes,
-        output_dir=config.output_dir,
-        capture_gif=config.capture_gif,
-        load_model=config.load_model,
-        eval_only=True,
-    )
-    validate(config)  # e.g. its seeds on the devices visible now
-    return config, payload["params"]["actor"]
+def plot_curves(path: Path, config: Config, rows: list[dict]) -> None:
+    """Every metric against env steps: the mean over seeds and the min-max band."""
+    from matplotlib.figure import Figure  # imported here: it is slow to import
 
-
-def plot_curves(path: Path, rows: list[dict]) -> None:
-    """Return and losses against env steps: the mean over seeds and the min-max band."""
-    from matplotlib.figure import (
-        Figure,
-    )  # imported here: only this output needs it, and it is slow to import
-
+    columns = METRIC_COLUMNS
     seeds = sorted({row["seed"] for row in rows})
-    steps = [row["env_steps"] for row in rows if row["seed"] == seeds[0]]
-    fig = Figure(figsize=(13, 7), layout="tight")
-    axes = fig.subplots(2, 3)
-    for ax, name in zip(axes.flat, ["episode_return", *LOSS_NAMES], strict=True):
-        values = np.array(
-            [[row[name] for row in rows if row["seed"] == seed] for seed in seeds], float
-        )
-        ax.plot(steps, np.nanmean(values, axis=0))
-        ax.fill_between(steps, np.nanmin(values, axis=0), np.nanmax(values, axis=0), alpha=0.25)
-        ax.set(title=name, xlabel="env steps")
-        ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    axes.flat[0].axhline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
-    fig.suptitle(f"PPO on {ENV_ID}, {len(seeds)} seed(s)")
-    write_atomic(path, lambda temporary: fig.savefig(temporary, format="png", dpi=90))
+    steps = np.array([row["env_steps"] for row in rows if row["seed"] == seeds[0]])
+    figure = Figure(figsize=(13, 3.2 * -(-len(columns) // 3)), layout="constrained")
+    axes = figure.subplots(-(-len(columns) // 3), 3, squeeze=False).flat
+    for axis, name in zip(axes, columns, strict=False):
+        values = np.array([[row[name] for row in rows if row["seed"] == seed] for seed in seeds])
+        shown = np.isfinite(values).any(axis=0)  # chunks without episodes or updates are NaN
+        axis.plot(steps[shown], np.nanmean(values[:, shown], axis=0))
+        low, high = np.nanmin(values[:, shown], axis=0), np.nanmax(values[:, shown], axis=0)
+        axis.fill_between(steps[shown], low, high, alpha=0.25)
+        axis.set(title=name, xlabel="env steps")
+    axes[0].axhline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
+    for axis in axes[len(columns) :]:
+        axis.set_visible(False)
+    figure.suptitle(f"{SCRIPT} on {env_name(config)}, {len(seeds)} seed(s)")
+    write_atomic(path, lambda temporary: figure.savefig(temporary, format="png", dpi=80))
 
 
-def write_gif(
-    path: Path, config: Config, states: envs.CartPoleState, steps_per_frame: int = 2
-) -> None:
-    """The first four evaluation episodes ([episodes, steps] states) side by side, drawn by the
-    env's own renderer, every `steps_per_frame`-th step, in real time."""
+def write_gif(path: Path, frames: np.ndarray, seconds_per_frame: float) -> None:
+    """Frames [time, height, width, 3] as an animated GIF playing in real time."""
     from PIL import Image  # matplotlib's dependency
 
-    env, env_params = make_env(config)
-    states = jax.tree.map(lambda x: x[:4, ::steps_per_frame], states)
-    render = jax.jit(
-        jax.vmap(jax.vmap(lambda state: env.render(state, env_params, height=120, width=180)))
-    )
-    images = [
-        Image.fromarray(frame) for frame in np.concatenate(list(np.asarray(render(states))), axis=2)
-    ]
-    palette = images[0].quantize(
-        colors=16
-    )  # a few flat colours: one palette for all frames, 7x faster
+    images = [Image.fromarray(frame) for frame in frames]
+    palette = images[0].quantize(colors=16)  # a few flat colours: one palette for every frame
     images = [image.quantize(palette=palette, dither=Image.Dither.NONE) for image in images]
+    duration = round(1000 * seconds_per_frame)
     write_atomic(
         path,
         lambda temporary: images[0].save(
             temporary,
             format="GIF",
             save_all=True,
-            loop=0,
             append_images=images[1:],
-            duration=round(1000 * steps_per_frame * env_params.tau),
+            duration=duration,
+            loop=0,
         ),
     )
 
 
-# ---- main -----------------------------------------------------------------------------------
+def save_checkpoint(path: Path, config: Config, params: Params) -> None:
+    """Every seed's parameters (leading seed axis), with the config."""
+    payload = {
+        "script": SCRIPT,
+        "env": env_name(config),
+        "config": json.dumps(dataclasses.asdict(config)),
+        "params": flax.serialization.to_state_dict(jax.device_get(params)),
+    }
+    payload_bytes = flax.serialization.msgpack_serialize(payload)
+    write_atomic(path, lambda temporary: temporary.write_bytes(payload_bytes))
 
 
-def seed_keys(config: Config) -> chex.PRNGKey:
-    """One key per seed: seed i of a vmapped run is the same run as --seed seed+i alone."""
-    return jax.vmap(jax.random.key)(config.seed + jnp.arange(config.num_seeds))
+def load_checkpoint(config: Config) -> tuple[Config, Params]:
+    """(the checkpoint's config with this command's evaluation and output flags, every seed's
+    parameters). UsageError for a file that is not this script's checkpoint, or for a flag
+    that the checkpoint's config would silently override."""
+    try:
+        payload = flax.serialization.msgpack_restore(Path(config.load_model).read_bytes())
+        script = payload["script"]
+        env = payload["env"]
+        saved = json.loads(payload["config"])
+    except Exception as error:  # whatever is wrong with the file, it is the same user error
+        message = f"--load-model {config.load_model} is not a model.msgpack"
+        raise UsageError(f"{message} ({type(error).__name__})") from None
+    if script != SCRIPT:
+        message = f"--load-model {config.load_model} is a {script} checkpoint for {env}"
+        raise UsageError(f"{message}, not {SCRIPT}'s")
+    saved = {
+        name: tuple(value) if isinstance(value, list) else value for name, value in saved.items()
+    }
+    saved = Config(**{**saved, "env": EnvConfig(**saved["env"])})
+    defaults = Config()
+    for field in dataclasses.fields(Config):
+        given = getattr(config, field.name)
+        if field.name in EVAL_ONLY_FIELDS or given == getattr(defaults, field.name):
+            continue
+        if given != getattr(saved, field.name):
+            flag = "--" + field.name.replace("_", "-")
+            raise UsageError(f"{flag} is set by the checkpoint with --eval-only; leave it out")
+    evaluation = {name: getattr(config, name) for name in EVAL_ONLY_FIELDS}
+    config = dataclasses.replace(saved, **evaluation)
+    validate(config)  # e.g. its seeds on the devices visible now
+    return config, jax.tree.map(jnp.asarray, payload["params"])
 
 
-def train_with_progress(
-    config: Config, sharding: NamedSharding, out: Path, evaluate: Callable, eval_keys: chex.PRNGKey
-) -> tuple[dict, dict, list[dict], Callable]:
-    """The CLI's loop: the jitted, vmapped run_chunk once per chunk with the state donated, a progress
-    line and metrics rows in between, `evaluate` compiling meanwhile in a thread. Ctrl-C stops after
-    the chunk; a non-finite value exits. Returns (params, summary, rows, the compiled evaluate)."""
-    size = sizes(config)
-    init, run_chunk, _ = make_train(config)
-    start = time.perf_counter()
-    state = jax.jit(jax.vmap(init), out_shardings=sharding)(
-        jax.device_put(seed_keys(config), sharding)
-    )
-    run_chunk = (
-        jax.jit(jax.vmap(run_chunk), out_shardings=sharding, donate_argnums=0)
-        .lower(state)
-        .compile()
-    )
-    compile_seconds = time.perf_counter() - start
-    print(f"compiled in {compile_seconds:.1f} s", flush=True)
-    evaluate = ThreadPoolExecutor(1).submit(
-        evaluate.lower(state.params["actor"], eval_keys).compile
-    )
+class SeedKeys(NamedTuple):
+    """Per seed (leading axis num_seeds), three independent keys split once from the seed's."""
 
+    train: PRNGKey
+    evaluate: PRNGKey
+    render: PRNGKey
+
+
+def seed_keys(config: Config) -> SeedKeys:
+    """Seed i of a vmapped run is the run of --seed (seed + i) alone."""
+    seeds = config.seed + jnp.arange(config.num_seeds)
+    keys = jax.vmap(lambda seed: jax.random.split(jax.random.key(seed), 3))(seeds)
+    return SeedKeys(train=keys[:, 0], evaluate=keys[:, 1], render=keys[:, 2])
+
+
+def stop_on_ctrl_c() -> threading.Event:
+    """The first Ctrl-C asks the training loop to stop after the chunk in progress; a second one
+    aborts at once."""
     stop = threading.Event()
 
-    def request_stop(signum, frame):
+    def request_stop(signum: int, frame: Any) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
         print("\nCtrl-C: stopping after this chunk (press again to abort)", flush=True)
 
-    previous_handler = signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    return stop
+
+
+def train_and_log(config: Config, sharding: NamedSharding, out: Path, keys: PRNGKey):
+    """The CLI's training: the jitted, vmapped run_chunk once per chunk with the state donated
+    (the replay buffer is updated in place), a progress line and the metrics rows in between.
+    Returns (final state, rows, summary); exits on a non-finite value."""
+    init, run_chunk, _ = make_train(config)
+    iterations_per_chunk, num_chunks = chunk_sizes(config)
+    state_shape = jax.eval_shape(jax.vmap(init), keys)
+    state_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state_shape)) / 2**20
+    devices = sharding.mesh.devices.flat
+    print(
+        f"{SCRIPT}: {env_name(config)}, {config.num_seeds} seed(s) x {config.num_envs} envs on "
+        f"{sharding.mesh.size} device(s) ({devices[0].device_kind}), {num_chunks} chunks of "
+        f"{iterations_per_chunk} iterations; train state {state_mb / config.num_seeds:.1f} MB "
+        f"per seed",
+        flush=True,
+    )
+    start = time.perf_counter()
+    # init compiles on a second thread beside the chunk function (XLA compiles on one core).
+    init_fn = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding)
+    init_compiling = ThreadPoolExecutor(1).submit(init_fn.lower(keys).compile)
+    replicated = NamedSharding(sharding.mesh, PartitionSpec())
+    chunk_fn = jax.jit(
+        jax.vmap(run_chunk, in_axes=(0, None)),
+        in_shardings=(sharding, replicated),
+        out_shardings=sharding,
+        donate_argnums=0,
+    )
+    chunk_fn = chunk_fn.lower(state_shape, jnp.int32(0)).compile()
+    state = init_compiling.result()(keys)
+    compile_seconds = time.perf_counter() - start
+    print(f"compiled in {compile_seconds:.1f} s", flush=True)
+
+    stop = stop_on_ctrl_c()
+    waiter = ThreadPoolExecutor(1)
     rows: list[dict] = []
-    start = last = time.perf_counter()
-    for chunk in range(1, size.num_chunks + 1):
-        state, metrics = run_chunk(state)
-        metrics = jax.device_get(
-            metrics
-        )  # waits for the chunk; the only transfer, a few numbers per seed
+    steps = 0
+    updates = 0
+    start = time.perf_counter()
+    last = start
+    for chunk in range(num_chunks):
+        state, metrics = chunk_fn(state, jnp.int32(chunk))
+        # Waits for the chunk (a few numbers per seed come back) in a thread: Ctrl-C is heard now.
+        metrics = waiter.submit(jax.device_get, metrics).result()
         now = time.perf_counter()
-        elapsed, sps, last = now - start, size.chunk_steps / (now - last), now
-        env_steps, updates = (
-            chunk * size.chunk_steps,
-            chunk * size.iterations_per_chunk * size.updates_per_iteration,
-        )
-        rows += [
-            dict(
-                seed=config.seed + i,
-                env_steps=env_steps,
-                updates=updates,
-                wall_seconds=round(elapsed, 3),
-                sps=round(sps),
-                **{name: float(metrics[name][i]) for name in METRIC_NAMES},
+        elapsed = now - start
+        sps = (int(metrics.env_steps[0]) - steps) / (now - last)
+        updates_per_second = (int(metrics.updates[0]) - updates) / (now - last)
+        did_update = int(metrics.updates[0]) > updates
+        steps = int(metrics.env_steps[0])
+        updates = int(metrics.updates[0])
+        last = now
+        for i in range(config.num_seeds):
+            row = {name: float(getattr(metrics, name)[i]) for name in METRIC_COLUMNS}
+            rows.append(
+                {
+                    "seed": config.seed + i,
+                    "env_steps": steps,
+                    "updates": updates,
+                    "wall_seconds": round(elapsed, 3),
+                    "sps": round(sps, 1),
+                    **row,
+                }
             )
-            for i in range(config.num_seeds)
-        ]
-        write_csv(out / "metrics.csv", rows)  # all rows so far: valid whenever the run stops
-        ended = metrics["episode_return"][
-            np.isfinite(metrics["episode_return"])
-        ]  # seeds with an episode end
-        shown = (
-            f"{ended.mean():.1f} ± {ended.std():.1f} (min {ended.min():.1f})" if ended.size else "-"
+        write_csv(out / "metrics.csv", rows)  # every row so far: valid whenever the run stops
+        returns = metrics.episode_return
+        shown = "-" if np.isnan(returns).all() else f"{np.nanmean(returns):.1f}"
+        if config.num_seeds > 1 and not np.isnan(returns).all():
+            shown += f" ± {np.nanstd(returns):.1f} (min {np.nanmin(returns):.1f})"
+        others = " ".join(
+            f"{name} {np.mean(getattr(metrics, name)):.3g}" for name in PROGRESS_COLUMNS
         )
+        eta = elapsed / (chunk + 1) * (num_chunks - chunk - 1)
+        total_steps = steps // (chunk + 1) * num_chunks  # every chunk has as many steps
         print(
-            f"steps {env_steps:,}/{size.env_steps:,} ({env_steps / size.env_steps:.0%}) | SPS {sps:,.0f} | "
-            f"updates/s {size.iterations_per_chunk * size.updates_per_iteration * sps / size.chunk_steps:,.0f} | "
-            f"return {shown} | "
-            + " ".join(f"{name} {np.mean(metrics[name]):.3g}" for name in LOSS_NAMES)
-            + f" | {elapsed:.1f} s, ETA {elapsed / chunk * (size.num_chunks - chunk):.1f} s",
+            f"steps {steps:,}/{total_steps:,} ({steps / total_steps:.0%}) | SPS {sps:,.0f} | "
+            f"updates/s {updates_per_second:,.0f} | return {shown} | {others} | "
+            f"{elapsed:.1f} s, ETA {eta:.1f} s",
             flush=True,
         )
-        finite = {name: np.isfinite(metrics[name]) for name in LOSS_NAMES} | {
-            "parameter": metrics["params_finite"]
-        }
+        finite = {"parameter": metrics.params_finite}
+        if did_update:
+            finite |= {name: np.isfinite(getattr(metrics, name)) for name in LOSS_COLUMNS}
         for name, ok in finite.items():
-            if not ok.all():  # exit status 1, the message on stderr
-                sys.exit(
-                    f"{SCRIPT}: non-finite {name} in chunk {chunk}, seed {config.seed + int(np.argmin(ok))}; "
-                    f"stopped, the files in {out} hold the chunks so far"
+            if not ok.all():
+                seed = config.seed + int(np.argmin(ok))
+                print(
+                    f"{SCRIPT}: non-finite {name} in chunk {chunk + 1}, seed {seed}; stopped (the "
+                    f"files in {out} hold the chunks so far)",
+                    file=sys.stderr,
                 )
+                sys.exit(1)
         if stop.is_set():
             break
     train_seconds = time.perf_counter() - start
-    signal.signal(signal.SIGINT, previous_handler)
-    summary = dict(
-        train_seconds=train_seconds,
-        compile_seconds=compile_seconds,
-        env_steps=env_steps,
-        env_steps_per_second=env_steps / train_seconds,
-        updates=updates,
-        updates_per_second=updates / train_seconds,
-        stopped_early=chunk < size.num_chunks,
-    )
-    return state.params, summary, rows, evaluate.result()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    summary = {
+        "train_seconds": train_seconds,
+        "compile_seconds": compile_seconds,
+        "env_steps": steps,
+        "updates": updates,
+        "env_steps_per_second": steps / train_seconds,
+        "updates_per_second": updates / train_seconds,
+        "stopped_early": stop.is_set(),
+    }
+    return state, rows, summary
 
 
 def main(config: Config) -> None:
+    compile_cache = enable_compile_cache(config)  # before anything starts JAX's backend
     try:
         validate(config)
+        params = None
         if config.eval_only:
-            config, actor_params = load_checkpoint(config)
+            config, params = load_checkpoint(config)
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
-
+    print(f"compile cache: {compile_cache}", flush=True)
     devices = jax.devices()
-    sharding = NamedSharding(
-        Mesh(np.array(devices), ("seeds",)), PartitionSpec("seeds")
-    )  # seed axis over devices
-    device = f"{len(devices)} x {devices[0].device_kind}"
+    sharding = NamedSharding(Mesh(np.array(devices), ("seeds",)), PartitionSpec("seeds"))
     out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(
-        out / "config.json",
-        lambda path: path.write_text(json.dumps(dataclasses.asdict(config), indent=2)),
+    write_json(out / "config.json", dataclasses.asdict(config))
+    keys = jax.device_put(seed_keys(config), sharding)
+    evaluate = jax.jit(
+        jax.vmap(make_evaluate(config)), in_shardings=sharding, out_shardings=sharding
     )
-    size = sizes(config)
-    print(
-        f"{SCRIPT}: {ENV_ID} on {device}, {config.num_seeds} seed(s) x {config.num_envs} envs"
-        + (
-            ""
-            if config.eval_only
-            else f", {size.num_iterations} iterations of {size.batch_size} steps in "
-            f"{size.num_chunks} chunks ({size.env_steps:,} env steps per seed)"
-        )
-        + f"; outputs in {out}",
-        flush=True,
-    )
-    evaluate = jax.jit(jax.vmap(make_evaluate(config)))
-    eval_keys = jax.device_put(
-        jax.vmap(lambda key: jax.random.fold_in(key, 1))(seed_keys(config)), sharding
-    )
-    summary: dict[str, Any] = dict(
-        eval_only=config.eval_only
-    )  # evaluation keys: a stream apart from training's
-    if not config.eval_only:
-        params, train_summary, rows, evaluate = train_with_progress(
-            config, sharding, out, evaluate, eval_keys
-        )
-        actor_params, summary = params["actor"], summary | train_summary
+    summary: dict[str, Any] = {"eval_only": config.eval_only, "stopped_early": False}
+    if config.eval_only:
+        print(f"{SCRIPT}: evaluating {config.num_seeds} seed(s) of {config.load_model}", flush=True)
+        params = jax.device_put(params, sharding)
+    else:
+        # The evaluation compiles on a second thread while the chunks run.
+        init = make_train(config)[0]
+        params_shape = jax.eval_shape(jax.vmap(lambda key: trained_params(init(key))), keys.train)
+        evaluate = ThreadPoolExecutor(1).submit(evaluate.lower(params_shape, keys.evaluate).compile)
+        state, rows, train_summary = train_and_log(config, sharding, out, keys.train)
+        evaluate = evaluate.result()
+        params = trained_params(state)
+        summary |= train_summary
         if config.save_model:
             save_checkpoint(out / "model.msgpack", config, params)
-    returns, states = evaluate(jax.device_put(actor_params, sharding), eval_keys)
-    final_returns = np.asarray(returns).mean(axis=1)
+        if config.plot:
+            plot_curves(out / "curves.png", config, rows)
+    evaluation = jax.device_get(evaluate(params, keys.evaluate))
+    per_seed = {name: np.asarray(values).mean(axis=1) for name, values in evaluation.items()}
+    returns = per_seed["episode_return"]
+    solved = int((returns >= SOLVED_RETURN).sum())
+    extras = {name: values for name, values in per_seed.items() if name != "episode_return"}
+    others = "".join(f", {name} {values.mean():.3g}" for name, values in extras.items())
     print(
-        f"greedy evaluation, {config.eval_episodes} episodes per seed: return {final_returns.mean():.1f} ± "
-        f"{final_returns.std():.1f} (min {final_returns.min():.1f}); {(final_returns >= SOLVED_RETURN).sum()}/"
-        f"{config.num_seeds} seed(s) >= {SOLVED_RETURN:g}",
+        f"evaluation, {config.eval_episodes} deterministic episodes per seed: return "
+        f"{returns.mean():.1f} ± {returns.std():.1f} (min {returns.min():.1f}); {solved}/"
+        f"{config.num_seeds} seed(s) >= {SOLVED_RETURN:g}{others}",
         flush=True,
     )
-    summary = dict(
-        final_returns=final_returns.tolist(),
-        final_return_mean=float(final_returns.mean()),
-        final_return_std=float(final_returns.std()),
+    summary = {
+        "final_returns": returns.tolist(),
+        "final_return_mean": float(returns.mean()),
+        "final_return_std": float(returns.std()),
+        "solved_fraction": solved / config.num_seeds,
+        **{f"final_{name}_mean": float(values.mean()) for name, values in extras.items()},
         **summary,
-        num_seeds=config.num_seeds,
-        num_envs=config.num_envs,
-        eval_episodes=config.eval_episodes,
-        device=device,
-    )
-    write_atomic(
-        out / "summary.json", lambda temporary: temporary.write_text(json.dumps(summary, indent=2))
-    )
-    if config.plot and not config.eval_only:
-        plot_curves(out / "curves.png", rows)
+        "num_seeds": config.num_seeds,
+        "num_envs": config.num_envs,
+        "eval_episodes": config.eval_episodes,
+        "device": f"{len(devices)} x {devices[0].device_kind}",
+    }
+    write_json(out / "summary.json", summary)
     if config.capture_gif:
-        write_gif(out / "policy.gif", config, jax.device_get(jax.tree.map(lambda x: x[0], states)))
-    print(f"wrote {', '.join(sorted(path.name for path in out.iterdir()))}")
+        render, seconds_per_frame = make_render(config)
+        first_seed = jax.tree.map(lambda x: x[0], params)
+        frames = jax.jit(render)(first_seed, keys.render[0])
+        write_gif(out / "policy.gif", np.asarray(frames), seconds_per_frame)
+    print(f"wrote {', '.join(sorted(path.name for path in out.iterdir()))} in {out}", flush=True)
+    if summary["stopped_early"]:
+        sys.exit(130)  # interrupted, as a shell expects after Ctrl-C
+
+
+def parse_config(args: Sequence[str] | None = None) -> Config:
+    return tyro.cli(Config, args=args, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

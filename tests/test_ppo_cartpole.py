@@ -1,5 +1,6 @@
-"""Tests of ppo_cartpole.py: the maths on hand-made numbers, seeds and determinism of the pure
-core, the script contract through the CLI, and (slow) that a short run learns."""
+"""Tests of ppo_cartpole.py: the maths on hand-made numbers, the initialisers, seeds and
+determinism of the pure core, the CLI contract (in process and in subprocesses) and, marked
+slow, that the default config learns."""
 
 import csv
 import dataclasses
@@ -10,16 +11,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import serialization
 
 import ppo_cartpole as ppo
 
-SCRIPT = str(Path(__file__).resolve().parents[1] / "ppo_cartpole.py")
-# A tiny config: 2 chunks of 2 iterations of 4 envs x 16 steps; compiles and runs in seconds.
+SCRIPT = Path(__file__).resolve().parents[1] / "ppo_cartpole.py"
+# A run small enough to compile and train in seconds: 2 chunks of 2 iterations of 4 envs x 16
+# steps, 8 gradient steps per iteration; 50-step episodes keep the evaluation and GIF short.
 TINY = ppo.Config(
     num_envs=4,
     num_steps=16,
@@ -29,6 +32,7 @@ TINY = ppo.Config(
     log_every=128,
     total_timesteps=256,
     eval_episodes=2,
+    env=ppo.EnvConfig(max_steps_in_episode=50),
 )
 TINY_FLAGS = [
     "--num-envs",
@@ -47,24 +51,13 @@ TINY_FLAGS = [
     "256",
     "--eval-episodes",
     "2",
+    "--env.max-steps-in-episode",
+    "50",
 ]
+QUIET = ["--no-plot", "--no-capture-gif", "--no-save-model"]
 
 
-def run_script(
-    *flags: str, env: dict | None = None, timeout: int = 240
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, SCRIPT, *flags],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# the maths, on hand-made numbers
-# ---------------------------------------------------------------------------------------------
+# ---- the maths, on hand-made numbers ----
 
 
 def test_gae_matches_hand_computation():
@@ -76,7 +69,8 @@ def test_gae_matches_hand_computation():
     next_values = jnp.array([1.0, 10.0, 2.0, 7.0, 3.0, 100.0])[:, None]
     terminated = jnp.array([False, False, False, True, False, True])[:, None]
     truncated = jnp.array([False, True, False, False, False, True])[:, None]
-    gamma, gae_lambda = 0.9, 0.8  # gamma * lambda = 0.72
+    gamma = 0.9
+    gae_lambda = 0.8  # gamma * lambda = 0.72
     # deltas r + gamma * V' * (1 - terminated) - V:
     #   1 + 0.9 * 1 - 0.5 = 1.4 | 2 + 0.9 * 10 - 1 = 10.0 | 3 + 0.9 * 2 - 1.5 = 3.3
     #   4 - 2 = 2.0 | 5 + 0.9 * 3 - 2.5 = 5.2 | 1 - 0.5 = 0.5
@@ -102,27 +96,35 @@ def test_policy_loss_on_a_hand_made_batch():
     loss, approx_kl, clip_frac = ppo.policy_loss(log_prob, old_log_prob, advantages, 0.2)
     np.testing.assert_allclose(loss, (-1.2 - 0.5 + 1.1 + 0.8) / 4, rtol=1e-5)
     np.testing.assert_allclose(clip_frac, 3 / 4)  # |r - 1| > 0.2 for 1.5, 0.5 and 0.7
-    np.testing.assert_allclose(
-        approx_kl, np.mean((np.array(ratios) - 1) - np.log(ratios)), rtol=1e-5
-    )
+    expected_kl = np.mean((np.array(ratios) - 1) - np.log(ratios))
+    np.testing.assert_allclose(approx_kl, expected_kl, rtol=1e-5)
+
     # The clipped samples give no gradient; the others -A r / 4 (d r / d log_prob = r).
-    gradient = jax.grad(lambda lp: ppo.policy_loss(lp, old_log_prob, advantages, 0.2)[0])(log_prob)
+    def loss_of(log_prob):
+        return ppo.policy_loss(log_prob, old_log_prob, advantages, 0.2)[0]
+
+    gradient = jax.grad(loss_of)(log_prob)
     np.testing.assert_allclose(gradient, [0.0, -0.5 / 4, 1.1 / 4, 0.0], rtol=1e-5, atol=1e-7)
 
 
 def test_value_loss_clipping_on_a_hand_made_batch():
-    values, old_values, targets = (
-        jnp.array([1.0, 3.0]),
-        jnp.array([2.0, 2.0]),
-        jnp.array([0.0, 0.0]),
-    )
+    values = jnp.array([1.0, 3.0])
+    old_values = jnp.array([2.0, 2.0])
+    targets = jnp.array([0.0, 0.0])
     # plain errors 1 and 9; clipped values 1.5 and 2.5 give 2.25 and 6.25; the larger: 2.25, 9
+    plain = ppo.value_loss(values, old_values, targets, 0.5, clip_vloss=False)
+    clipped = ppo.value_loss(values, old_values, targets, 0.5, clip_vloss=True)
+    np.testing.assert_allclose(plain, 0.5 * 10 / 2)
+    np.testing.assert_allclose(clipped, 0.5 * 11.25 / 2)
+
+
+def test_categorical_log_prob_and_entropy_by_hand():
+    logits = jnp.log(jnp.array([[0.25, 0.75], [0.5, 0.5]]))
     np.testing.assert_allclose(
-        ppo.value_loss(values, old_values, targets, 0.5, clip_vloss=False), 0.5 * 10 / 2
+        ppo.categorical_log_prob(logits, jnp.array([1, 0])), np.log([0.75, 0.5]), rtol=1e-6
     )
-    np.testing.assert_allclose(
-        ppo.value_loss(values, old_values, targets, 0.5, clip_vloss=True), 0.5 * 11.25 / 2
-    )
+    entropy = [-(0.25 * np.log(0.25) + 0.75 * np.log(0.75)), np.log(2)]
+    np.testing.assert_allclose(ppo.categorical_entropy(logits), entropy, rtol=1e-6)
 
 
 def test_minibatches_cover_every_sample_once_per_epoch():
@@ -134,68 +136,135 @@ def test_minibatches_cover_every_sample_once_per_epoch():
         assert len({epoch.tobytes() for epoch in indices}) == 4  # a fresh permutation each epoch
 
 
+# ---- the networks' initialisers ----
+
+
 def test_init_is_orthogonal_with_the_gains_of_huang_et_al():
-    actor, critic = ppo.make_networks(TINY, num_actions=2)
-    params = ppo.init_orthogonal(
-        {"actor": (actor, 0.01), "critic": (critic, 1.0)}, jax.random.key(0), (4,)
-    )
-    for net, head_gain in [("actor", 0.01), ("critic", 1.0)]:
-        for layer, gain in [
-            ("Dense_0", np.sqrt(2)),
-            ("Dense_1", np.sqrt(2)),
-            ("Dense_2", head_gain),
-        ]:
-            weights = np.asarray(params[net]["params"][layer]["kernel"]) / gain
-            gram = (
-                weights.T @ weights if weights.shape[0] >= weights.shape[1] else weights @ weights.T
+    obs = jnp.zeros((1, 4))
+    networks = {
+        "actor": (ppo.Actor(hidden_size=16, num_actions=2), "logits", 0.01),
+        "critic": (ppo.Critic(hidden_size=16), "value", 1.0),
+    }
+    for name, (network, head, head_gain) in networks.items():
+        params = network.init(jax.random.key(0), obs)["params"]
+        assert set(params) == {"Dense_0", "Dense_1", head}, name
+        for layer, gain in [("Dense_0", np.sqrt(2)), ("Dense_1", np.sqrt(2)), (head, head_gain)]:
+            weights = np.asarray(params[layer]["kernel"]) / gain
+            rows, columns = weights.shape
+            gram = weights.T @ weights if rows >= columns else weights @ weights.T
+            np.testing.assert_allclose(
+                gram, np.eye(len(gram)), atol=1e-5, err_msg=f"{name} {layer}"
             )
-            np.testing.assert_allclose(gram, np.eye(len(gram)), atol=1e-5, err_msg=f"{net} {layer}")
-            np.testing.assert_array_equal(params[net]["params"][layer]["bias"], 0.0)
+            np.testing.assert_array_equal(params[layer]["bias"], 0.0)
 
 
-# ---------------------------------------------------------------------------------------------
-# the pure core: seeds and determinism
-# ---------------------------------------------------------------------------------------------
+def test_orthogonal_draws_haar_matrices():
+    """The Newton-Schulz initialiser has nn.initializers.orthogonal's distribution, uniform over
+    orthogonal matrices (Haar): then an entry of a 3 x 3 one, the first coordinate of a uniform
+    point on the sphere, is uniform on [-1, 1]. Checked on the quantiles of 4,000 draws."""
+    keys = jax.random.split(jax.random.key(0), 4000)
+    matrices = np.asarray(jax.vmap(lambda key: ppo.orthogonal(2.0)(key, (3, 3)))(keys)) / 2.0
+    np.testing.assert_allclose(
+        np.einsum("nij,nik->njk", matrices, matrices),
+        np.broadcast_to(np.eye(3), (4000, 3, 3)),
+        atol=1e-5,
+    )
+    quantiles = np.quantile(matrices[:, 0, 0], [0.1, 0.25, 0.5, 0.75, 0.9])
+    np.testing.assert_allclose(quantiles, [-0.8, -0.5, 0.0, 0.5, 0.8], atol=0.06)
+
+
+def test_vmapped_init_has_no_lapack_call():
+    """Batched LAPACK QR under vmap deadlocks on the CPU jaxlib (docs/ppo.md): the vmapped
+    init must not contain one."""
+    init, _, _ = ppo.make_train(TINY)
+    keys = jax.random.split(jax.random.key(0), 4)
+    assert "lapack" not in jax.jit(jax.vmap(init)).lower(keys).as_text()
+
+
+# ---- the pure core: seeds and determinism ----
 
 
 @pytest.fixture(scope="module")
 def tiny_runs():
-    """Seeds 0 and 1 of TINY trained in one vmapped program, and seed 1 alone, twice."""
-    _, _, train = ppo.make_train(TINY)
-    keys = ppo.seed_keys(dataclasses.replace(TINY, num_seeds=2))
+    """Seeds 1 and 2 of TINY in one vmapped program, and seed 2 alone, twice."""
+    config = dataclasses.replace(TINY, num_seeds=2)
+    _, _, train = ppo.make_train(config)
+    keys = ppo.seed_keys(config).train
     vmapped = jax.jit(jax.vmap(train))(keys)
     single = jax.jit(train)
-    return vmapped, single(keys[1]), single(keys[1])
+    return config, vmapped, single(keys[1]), single(keys[1])
 
 
 def test_vmapped_seed_matches_the_single_run(tiny_runs):
-    (vmapped_state, vmapped_metrics), (state, metrics), _ = tiny_runs
-    chex_close = dict(rtol=1e-4, atol=1e-5)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a[1], b, **chex_close),
-        vmapped_state.params,
-        state.params,
+    config, (vmapped_state, vmapped_metrics), (state, metrics), _ = tiny_runs
+    assert metrics.value_loss.shape == (ppo.chunk_sizes(config)[1],)
+    assert int(metrics.updates[-1]) == 2 * 2 * 2 * 2  # chunks x iterations x epochs x minibatches
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda x: x[1], ppo.trained_params(vmapped_state)),
+        ppo.trained_params(state),
+        rtol=1e-4,
+        atol=1e-5,
     )
-    for name in ppo.METRIC_NAMES:
-        np.testing.assert_allclose(vmapped_metrics[name][1], metrics[name], **chex_close)
-    assert metrics["value_loss"].shape == (ppo.sizes(TINY).num_chunks,)
+    for name in ppo.METRIC_COLUMNS:
+        np.testing.assert_allclose(
+            getattr(vmapped_metrics, name)[1], getattr(metrics, name), rtol=1e-4, atol=1e-5
+        )
 
 
 def test_different_seeds_give_different_networks(tiny_runs):
-    (state, _), _, _ = tiny_runs
-    kernel = state.params["actor"]["params"]["Dense_0"]["kernel"]
+    _, (state, _), _, _ = tiny_runs
+    kernel = ppo.trained_params(state)["actor"]["params"]["Dense_0"]["kernel"]
     assert not np.allclose(kernel[0], kernel[1])
 
 
 def test_same_seed_gives_identical_metrics(tiny_runs):
-    _, (_, first), (_, second) = tiny_runs
-    for name in ppo.METRIC_NAMES:
-        np.testing.assert_array_equal(first[name], second[name])
+    _, _, (_, first), (_, second) = tiny_runs
+    for name in ppo.METRIC_COLUMNS:
+        np.testing.assert_array_equal(getattr(first, name), getattr(second, name))
 
 
-# ---------------------------------------------------------------------------------------------
-# the contract, through the CLI
-# ---------------------------------------------------------------------------------------------
+def test_evaluation_starts_from_other_states_than_training():
+    """The evaluation's key is split from the seed's key beside training's, not folded from it:
+    its first reset states share nothing with the training envs' first reset states."""
+    config = dataclasses.replace(TINY, num_envs=8, eval_episodes=8)
+    keys = ppo.seed_keys(config)
+    init, _, _ = ppo.make_train(config)
+    training_obs = np.asarray(jax.jit(init)(keys.train[0]).obs)
+    env, env_params = ppo.make_env(config)
+    reset_key, _ = jax.random.split(keys.evaluate[0])  # as make_greedy_episodes splits it
+    reset_keys = jax.random.split(reset_key, config.eval_episodes)
+    evaluation_obs = np.asarray(jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0])
+    assert not np.isclose(training_obs[:, None, :], evaluation_obs[None, :, :]).all(-1).any()
+    assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3
+
+
+def test_render_draws_four_carts_every_second_step(tiny_runs):
+    config, (state, _), _, _ = tiny_runs
+    render, seconds_per_frame = ppo.make_render(config)
+    params = jax.tree.map(lambda x: x[0], ppo.trained_params(state))
+    frames = jax.jit(render)(params, ppo.seed_keys(config).render[0])
+    assert frames.dtype == jnp.uint8 and frames.shape == (25, 120, 4 * 180, 3)  # 50 steps / 2
+    assert seconds_per_frame == pytest.approx(2 * 0.02)  # real time: CartPole's tau per step
+
+
+# ---- the command line contract ----
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """One compile cache for this module's subprocesses: a rerun of a config loads its programs."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("compile_cache"))}
+
+
+def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize(
@@ -208,6 +277,7 @@ def test_same_seed_gives_identical_metrics(tiny_runs):
         (dict(gamma=0.0), "--gamma"),
         (dict(gae_lambda=-0.1), "--gae-lambda"),
         (dict(ent_coef=-1.0), "--ent-coef"),
+        (dict(clip_coef=0.0), "--clip-coef"),
         (dict(num_minibatches=3), "--num-minibatches"),
         (dict(total_timesteps=100), "--total-timesteps"),
         (dict(env=ppo.EnvConfig(length=0.0)), "--env.length"),
@@ -220,16 +290,54 @@ def test_validate_names_the_bad_flag(change, flag):
         ppo.validate(dataclasses.replace(TINY, **change))
 
 
-def test_help_lists_every_option():
-    result = run_script("--help")
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--gamma", "1.5"], "--gamma"),
+        (["--num-minibatches", "3"], "--num-minibatches"),
+        (["--total-timesteps", "10"], "--total-timesteps"),
+        (["--env.length", "0"], "--env.length"),
+        (["--eval-only"], "--load-model"),
+        (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, monkeypatch):
+    """In process: main validates before anything is compiled."""
+    monkeypatch.setattr(ppo.jax, "jit", None)  # nothing may be compiled on the way to the error
+    with pytest.raises(SystemExit) as exit_:
+        ppo.main(ppo.parse_config([*flags, "--no-compile-cache"]))
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err
+    assert len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--no-such-flag", "3"], "--no-such-flag"),
+        (["--num-envz", "3"], "--num-envs"),  # tyro's "Perhaps you meant"
+        (["--num-envs", "many"], "--num-envs"),
+        (["--env.no-such-option", "1"], "--env.no-such-option"),
+    ],
+)
+def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ppo.parse_config(flags)
+    assert exit_.value.code == 2
+    assert name in capsys.readouterr().err
+
+
+def test_help_and_bad_flags_from_the_command_line():
+    result = run("--help")
     assert result.returncode == 0
     for flag in [
         "--seed",
+        "--num-seeds",
         "--num-envs",
         "--total-timesteps",
         "--learning-rate",
-        "--num-steps",
         "--anneal-lr",
+        "--num-steps",
         "--gamma",
         "--gae-lambda",
         "--num-minibatches",
@@ -240,7 +348,6 @@ def test_help_lists_every_option():
         "--ent-coef",
         "--vf-coef",
         "--max-grad-norm",
-        "--num-seeds",
         "--output-dir",
         "--no-save-model",
         "--no-capture-gif",
@@ -249,164 +356,220 @@ def test_help_lists_every_option():
         "--log-every",
         "--load-model",
         "--eval-only",
+        "--no-compile-cache",
         "--env.max-steps-in-episode",
     ]:
         assert flag in result.stdout, flag
-
-
-@pytest.mark.parametrize(
-    "flags, flag",
-    [
-        (["--num-minibatches", "3"], "--num-minibatches"),
-        (["--gamma", "2"], "--gamma"),
-    ],
-)
-def test_bad_flag_is_one_line_and_exit_2(flags, flag):
-    result = run_script(*flags)
-    assert result.returncode == 2
-    assert (
-        result.stderr.count("\n") == 1
-        and flag in result.stderr
-        and "Traceback" not in result.stderr
+    result = run("--gamma", "2")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "ppo_cartpole.py: error: --gamma must be in (0, 1], got 2.0"
     )
+    result = run("--no-such-flag")
+    assert result.returncode == 2 and "--no-such-flag" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
-def test_eval_only_refuses_a_checkpoint_of_another_script(tmp_path):
-    foreign = tmp_path / "model.msgpack"
-    foreign.write_bytes(
-        serialization.msgpack_serialize(
-            {"script": "sac_pendulum", "env_id": "Pendulum-v1", "config": "{}", "params": {}}
-        )
-    )
-    result = run_script("--eval-only", "--load-model", str(foreign))
-    assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert "sac_pendulum" in result.stderr and "Pendulum-v1" in result.stderr
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, compile_cache):
+    out = tmp_path_factory.mktemp("run")
+    flags = [*TINY_FLAGS, "--num-seeds", "2", "--output-dir", str(out)]
+    result = run(*flags, env=compile_cache)
+    assert result.returncode == 0, result.stderr
+    return out, result
 
 
-def test_outputs_ctrl_c_and_eval_only(tmp_path):
-    """Train 2 seeds over many chunks, press Ctrl-C after the second: the run stops after that
-    chunk and still writes every output; --eval-only then reproduces the saved evaluation."""
-    out = tmp_path / "run"
-    flags = [
-        *TINY_FLAGS,
-        "--total-timesteps",
-        str(128 * 10_000),
-        "--num-seeds",
-        "2",
-        "--output-dir",
-        str(out),
-    ]
-    process = subprocess.Popen(
-        [sys.executable, SCRIPT, *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if line.startswith("steps 256/"):  # the second chunk is done
-            process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=240) == 0, "".join(lines)
-    assert any(line.startswith("compiled in") for line in lines)
-    assert {path.name for path in out.iterdir()} == {
+def test_run_writes_every_output(finished_run):
+    out, result = finished_run
+    assert result.stdout.startswith("compile cache: ")
+    assert "compiled in" in result.stdout and "SPS" in result.stdout
+    for name in [
         "config.json",
         "metrics.csv",
         "summary.json",
         "curves.png",
         "policy.gif",
         "model.msgpack",
-    }
+    ]:
+        assert (out / name).stat().st_size > 0, name
+    assert not list(out.glob(".*tmp*"))  # no temporary files left behind
     assert json.loads((out / "config.json").read_text())["num_seeds"] == 2
-    with open(out / "metrics.csv") as file:
-        rows = list(csv.DictReader(file))
-    assert list(rows[0]) == list(ppo.CSV_COLUMNS)
-    chunks = len(rows) // 2
-    assert 2 <= chunks < 10_000 and [row["seed"] for row in rows[:2]] == ["0", "1"]
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert tuple(rows[0]) == ppo.CSV_COLUMNS
+    assert len(rows) == 2 * ppo.chunk_sizes(TINY)[1]
+    assert [row["seed"] for row in rows[:2]] == ["1", "2"]
+    assert [int(row["env_steps"]) for row in rows[::2]] == [128, 256]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["stopped_early"] and summary["env_steps"] == 128 * chunks
-    assert len(summary["final_returns"]) == 2 and summary["num_seeds"] == 2 and summary["device"]
-    for name in [
+    for key in [
         "final_return_mean",
         "final_return_std",
         "train_seconds",
         "compile_seconds",
         "env_steps_per_second",
+        "updates_per_second",
     ]:
-        assert summary[name] >= 0, name
-
-    evaluation = tmp_path / "evaluation"
-    result = run_script(
-        "--eval-only",
-        "--load-model",
-        str(out / "model.msgpack"),
-        "--eval-episodes",
-        "2",
-        "--output-dir",
-        str(evaluation),
-        "--no-capture-gif",
-    )
-    assert result.returncode == 0, result.stderr
-    assert (
-        json.loads((evaluation / "summary.json").read_text())["final_returns"]
-        == summary["final_returns"]
-    )
+        assert summary[key] >= 0, key
+    assert len(summary["final_returns"]) == 2 and summary["num_seeds"] == 2
+    assert summary["env_steps"] == 256 and summary["updates"] == 16 and summary["device"]
 
 
-def test_sharded_over_two_devices_matches_the_pure_train(tmp_path, tiny_runs):
-    """Seeds over 2 (forced) CPU devices: the CLI's chunk loop gives the metrics of train(key)."""
-    two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    result = run_script(*TINY_FLAGS, "--num-seeds", "3", env=two_devices)
-    assert (
-        result.returncode == 2 and "--num-seeds" in result.stderr and result.stderr.count("\n") == 1
-    )
-    out = tmp_path / "run"
-    result = run_script(
-        *TINY_FLAGS,
-        "--num-seeds",
-        "2",
-        "--output-dir",
-        str(out),
-        "--no-capture-gif",
-        "--no-plot",
-        "--no-save-model",
-        env=two_devices,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "2 x cpu" in result.stdout
-    with open(out / "metrics.csv") as file:
-        rows = list(csv.DictReader(file))
-    (_, metrics), _, _ = tiny_runs
-    for name in ppo.METRIC_NAMES:
-        from_cli = np.array(
-            [[float(row[name]) for row in rows if row["seed"] == str(seed)] for seed in (0, 1)]
+def metrics_from_csv(path: Path, seeds: list[int]) -> dict[str, np.ndarray]:
+    """Every metric column as [seed, chunk]."""
+    rows = list(csv.DictReader(path.open()))
+    return {
+        name: np.array(
+            [[float(row[name]) for row in rows if int(row["seed"]) == seed] for seed in seeds]
         )
-        np.testing.assert_allclose(from_cli, metrics[name], rtol=1e-4, atol=1e-5)
+        for name in ppo.METRIC_COLUMNS
+    }
 
 
-def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path):
-    result = run_script(
-        *TINY_FLAGS, "--learning-rate", "inf", "--output-dir", str(tmp_path), "--no-capture-gif"
+def test_cli_chunk_loop_equals_train(finished_run, tiny_runs):
+    """The CLI's path (init, then the donated run_chunk from a Python loop) gives the metrics of
+    the pure train(key)."""
+    out, _ = finished_run
+    config, (_, metrics), _, _ = tiny_runs
+    from_cli = metrics_from_csv(out / "metrics.csv", [config.seed, config.seed + 1])
+    for name in ppo.METRIC_COLUMNS:
+        np.testing.assert_allclose(from_cli[name], getattr(metrics, name), rtol=1e-4, atol=1e-5)
+
+
+def without_timing(path: Path) -> list[dict]:
+    timing = {"wall_seconds", "sps"}
+    rows = csv.DictReader(path.open())
+    return [{name: value for name, value in row.items() if name not in timing} for row in rows]
+
+
+def test_same_seed_gives_identical_metrics_csv(finished_run, compile_cache, tmp_path):
+    out, _ = finished_run
+    flags = [*TINY_FLAGS, "--num-seeds", "2", "--output-dir", str(tmp_path)]
+    result = run(*flags, *QUIET, env=compile_cache)
+    assert result.returncode == 0, result.stderr
+    assert without_timing(out / "metrics.csv") == without_timing(tmp_path / "metrics.csv")
+
+
+def test_eval_only_reproduces_the_saved_evaluation(finished_run, compile_cache, tmp_path):
+    """The checkpoint brings its env (a 50-step limit here), network and seeds; no flags needed."""
+    out, _ = finished_run
+    model = str(out / "model.msgpack")
+    flags = ["--eval-only", "--load-model", model, "--eval-episodes", "2"]
+    result = run(*flags, "--output-dir", str(tmp_path), env=compile_cache)
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((out / "summary.json").read_text())["final_returns"]
+    assert json.loads((tmp_path / "summary.json").read_text())["final_returns"] == saved
+    assert (tmp_path / "policy.gif").stat().st_size > 0
+    assert not (tmp_path / "model.msgpack").exists()
+
+
+def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run):
+    out, _ = finished_run
+    result = run("--eval-only", "--load-model", str(out / "model.msgpack"), "--hidden-size", "8")
+    assert result.returncode == 2 and "--hidden-size" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
+    out, _ = finished_run
+    payload = flax.serialization.msgpack_restore((out / "model.msgpack").read_bytes())
+    other = tmp_path / "other.msgpack"
+    other.write_bytes(
+        flax.serialization.msgpack_serialize(
+            {**payload, "script": "sac_pendulum", "env": "Pendulum-v1"}
+        )
     )
+    garbage = tmp_path / "garbage.msgpack"
+    garbage.write_bytes(b"\x80")  # an empty msgpack map
+    text = tmp_path / "notes.txt"
+    text.write_text("a secret line that must not be echoed\n" * 50)
+    for path, expected in [
+        (other, "sac_pendulum checkpoint for Pendulum-v1"),
+        (garbage, "not a model"),
+        (text, "not a model"),
+    ]:
+        result = run("--eval-only", "--load-model", str(path))
+        assert result.returncode == 2 and expected in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "secret" not in result.stderr
+
+
+def test_compile_cache_is_where_the_first_line_says_and_off_on_request(finished_run, tmp_path):
+    out, _ = finished_run
+    evaluate = ["--eval-only", "--load-model", str(out / "model.msgpack"), "--no-capture-gif"]
+    cache = tmp_path / "cache"
+    flags = [*evaluate, "--output-dir", str(tmp_path / "cached")]
+    result = run(*flags, env={"JAX_COMPILATION_CACHE_DIR": str(cache)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == f"compile cache: {cache}"
+    assert any(cache.iterdir())  # the programs were stored for the next run
+    home = tmp_path / "home"  # where the default cache would go
+    flags = [*evaluate, "--no-compile-cache", "--output-dir", str(tmp_path / "uncached")]
+    result = run(*flags, env={"XDG_CACHE_HOME": str(home)})
+    assert result.returncode == 0 and result.stdout.startswith("compile cache: off")
+    assert not home.exists()
+
+
+def test_two_devices_shard_the_seeds_and_match_the_pure_train(tiny_runs, tmp_path):
+    """Seeds over 2 (forced) CPU devices: the CLI's chunk loop gives the metrics of train(key)."""
+    config, (_, metrics), _, _ = tiny_runs
+    two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    flags = [*TINY_FLAGS, "--num-seeds", "2", "--output-dir", str(tmp_path), *QUIET]
+    result = run(*flags, "--no-compile-cache", env=two_devices)
+    assert result.returncode == 0, result.stderr
+    assert "on 2 device(s)" in result.stdout
+    from_cli = metrics_from_csv(tmp_path / "metrics.csv", [config.seed, config.seed + 1])
+    for name in ppo.METRIC_COLUMNS:
+        np.testing.assert_allclose(from_cli[name], getattr(metrics, name), rtol=1e-4, atol=1e-5)
+    odd = run(*TINY_FLAGS, "--num-seeds", "3", env=two_devices)
+    assert odd.returncode == 2 and "--num-seeds" in odd.stderr
+    assert len(odd.stderr.strip().splitlines()) == 1
+
+
+def test_non_finite_loss_stops_with_chunk_seed_and_metric(compile_cache, tmp_path):
+    flags = [*TINY_FLAGS, "--learning-rate", "inf", "--output-dir", str(tmp_path), *QUIET]
+    result = run(*flags, env=compile_cache)
     assert result.returncode == 1
-    assert "non-finite" in result.stderr and "chunk 1, seed 0" in result.stderr
-    assert (tmp_path / "metrics.csv").exists()
+    assert "non-finite" in result.stderr and "chunk 1, seed 1" in result.stderr
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert len(rows) == 1  # what was written stays valid
 
 
-# ---------------------------------------------------------------------------------------------
-# learning
-# ---------------------------------------------------------------------------------------------
+def test_ctrl_c_stops_after_the_chunk_and_writes_everything(compile_cache, tmp_path):
+    flags = [*TINY_FLAGS, "--total-timesteps", str(128 * 10_000), "--output-dir", str(tmp_path)]
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **compile_cache},
+    )
+    for line in process.stdout:
+        if line.startswith("steps"):
+            process.send_signal(signal.SIGINT)
+            break
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stderr  # as a shell expects of an interrupted program
+    assert "stopping after this chunk" in stdout
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert 1 <= len(rows) < 10_000
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped_early"] and summary["env_steps"] == 128 * len(rows)
+    for name in ["curves.png", "policy.gif", "model.msgpack"]:
+        assert (tmp_path / name).exists(), name
+
+
+# ---- learning ----
 
 
 @pytest.mark.slow
-def test_short_run_learns_to_balance():
-    config = dataclasses.replace(ppo.Config(), num_seeds=2)  # the defaults: 98,304 env steps
-    _, _, train = ppo.make_train(config)
+def test_default_config_learns_to_balance():
+    """Four seeds of the default config (98,304 env steps). Seeds 1-16 reach greedy returns of
+    490.7 to 500 (docs/ppo.md); the rule leaves room for other processors' trajectories: every
+    seed at least 400 and the median at least 475 (CartPole-v1's bar), after a first chunk whose
+    training episodes average below 100 (a uniformly random policy: about 22)."""
+    config = dataclasses.replace(ppo.Config(), num_seeds=4)
     keys = ppo.seed_keys(config)
-    state, metrics = jax.jit(jax.vmap(train))(keys)
+    _, _, train = ppo.make_train(config)
+    state, metrics = jax.jit(jax.vmap(train))(keys.train)
     evaluate = jax.jit(jax.vmap(ppo.make_evaluate(config)))
-    returns, _ = evaluate(
-        state.params["actor"], jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys)
-    )
-    assert np.asarray(metrics["episode_return"])[:, 0].max() < 200  # it starts out failing
-    assert np.asarray(returns).mean(axis=1).min() >= 400
+    returns = np.asarray(evaluate(ppo.trained_params(state), keys.evaluate)["episode_return"])
+    returns = returns.mean(axis=1)
+    assert np.all(np.asarray(metrics.episode_return)[:, 0] < 100)  # it starts out failing
+    assert np.all(returns >= 400) and np.median(returns) >= 475, returns
