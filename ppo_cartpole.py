@@ -768,6 +768,12 @@ def save_checkpoint(path: Path, config: Config, params: Params) -> None:
     write_atomic(path, lambda temporary: temporary.write_bytes(payload_bytes))
 
 
+def flag_values(config: Config) -> dict[str, Any]:
+    """Every field under its command-line name (the env's as env.<name>)."""
+    values = {name: value for name, value in vars(config).items() if name != "env"}
+    return values | {f"env.{name}": value for name, value in vars(config.env).items()}
+
+
 def load_checkpoint(config: Config) -> tuple[Config, Params]:
     """(the checkpoint's config with this command's evaluation and output flags, every seed's
     parameters). UsageError for a file that is not this script's checkpoint, or for a flag
@@ -776,24 +782,25 @@ def load_checkpoint(config: Config) -> tuple[Config, Params]:
         payload = flax.serialization.msgpack_restore(Path(config.load_model).read_bytes())
         script = payload["script"]
         env = payload["env"]
-        saved = json.loads(payload["config"])
+        if script == SCRIPT:
+            saved = json.loads(payload["config"])
+            saved = {
+                key: tuple(value) if isinstance(value, list) else value
+                for key, value in saved.items()
+            }
+            saved = Config(**{**saved, "env": EnvConfig(**saved["env"])})
     except Exception as error:  # whatever is wrong with the file, it is the same user error
         message = f"--load-model {config.load_model} is not a model.msgpack"
         raise UsageError(f"{message} ({type(error).__name__})") from None
     if script != SCRIPT:
         message = f"--load-model {config.load_model} is a {script} checkpoint for {env}"
         raise UsageError(f"{message}, not {SCRIPT}'s")
-    saved = {
-        name: tuple(value) if isinstance(value, list) else value for name, value in saved.items()
-    }
-    saved = Config(**{**saved, "env": EnvConfig(**saved["env"])})
-    defaults = Config()
-    for field in dataclasses.fields(Config):
-        given = getattr(config, field.name)
-        if field.name in EVAL_ONLY_FIELDS or given == getattr(defaults, field.name):
-            continue
-        if given != getattr(saved, field.name):
-            flag = "--" + field.name.replace("_", "-")
+    given = flag_values(config)
+    defaults = flag_values(Config())
+    checkpoint = flag_values(saved)
+    for name, value in given.items():
+        if name not in EVAL_ONLY_FIELDS and value not in (defaults[name], checkpoint[name]):
+            flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} is set by the checkpoint with --eval-only; leave it out")
     evaluation = {name: getattr(config, name) for name in EVAL_ONLY_FIELDS}
     config = dataclasses.replace(saved, **evaluation)
@@ -992,6 +999,7 @@ def main(config: Config) -> None:
         "final_return_mean": float(returns.mean()),
         "final_return_std": float(returns.std()),
         "solved_fraction": solved / config.num_seeds,
+        **{f"final_{name}": values.tolist() for name, values in extras.items()},
         **{f"final_{name}_mean": float(values.mean()) for name, values in extras.items()},
         **summary,
         "num_seeds": config.num_seeds,

@@ -1,18 +1,17 @@
 """SAC on continuous CartPole, balance and swing-up, fully on device. Docs: docs/sac.md
 
-sac_pendulum.py's soft actor-critic (the same buffer, losses and compiled chunk loop) on
+sac_pendulum.py's soft actor-critic (the same networks, buffer, losses and compiled chunk loop) on
 envs.CartPoleContinuous (balance) or envs.CartPoleSwingup (swing the pole up from hanging down).
-Terminations (the pole past 12 degrees, the cart off the track) stop bootstrapping; the time limit does not.
+Terminations (the pole past 12 degrees, the cart off the track) stop bootstrapping; the time
+limit does not. Each task has its own defaults (`default_config`).
 
-    python sac_cartpole.py --num-envs 1024           # balance; writes runs/sac_cartpole__1__<time>/
+    python sac_cartpole.py                           # balance; writes runs/sac_cartpole__1__<time>/
     python sac_cartpole.py --env-id CartPoleSwingup  # swing-up, with its own defaults (see --help)
     python sac_cartpole.py --eval-only --load-model runs/<run>/model.msgpack
 """
 
-from __future__ import annotations
-
-import collections
-import contextlib
+import argparse
+import csv
 import dataclasses
 import io
 import json
@@ -25,13 +24,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import chex
 import flax.linen as nn
 import flax.serialization
 import jax
-import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -75,7 +73,7 @@ class EnvConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
     env_id: Literal["CartPoleContinuous", "CartPoleSwingup"] = "CartPoleContinuous"
-    """balance (CartPoleContinuous) or swing-up (CartPoleSwingup); each task has its own defaults"""
+    """balance (CartPoleContinuous) or swing-up (CartPoleSwingup); each has its own defaults"""
     seed: int = 1
     """seed of the first run; seed i of --num-seeds uses seed + i"""
     num_seeds: int = 1
@@ -90,7 +88,7 @@ class Config:
     """discount factor"""
     tau: float = 0.2
     """Polyak step of the target critics: target <- tau * critic + (1 - tau) * target"""
-    batch_size: int = 128
+    batch_size: int = 256
     """transitions per gradient update"""
     buffer_size: int = 100_000
     """replay buffer capacity in transitions (per seed)"""
@@ -102,7 +100,7 @@ class Config:
     """hidden layer widths of the actor and of each critic"""
     max_grad_norm: float | None = None
     """clip the actor's and critics' gradients to this global norm (optax.clip_by_global_norm)"""
-    target_entropy: float | None = None
+    target_entropy: float | None = 0.0
     """entropy that the temperature is tuned towards; None: -|A| (the SAC paper's choice)"""
     eval_episodes: int = 100
     """deterministic-policy episodes per seed in the final evaluation"""
@@ -113,191 +111,61 @@ class Config:
     save_model: bool = True
     """write model.msgpack (every seed's parameters and this config)"""
     capture_gif: bool = True
-    """write policy.gif (the first seed's evaluation episodes side by side)"""
+    """write policy.gif (the first seed's deterministic policy in a few envs side by side)"""
     plot: bool = True
     """write curves.png (return and losses against env steps)"""
     load_model: str | None = None
     """a model.msgpack to evaluate with --eval-only"""
     eval_only: bool = False
     """evaluate (and render) the --load-model checkpoint instead of training"""
+    compile_cache: bool = True
+    """keep compiled programs in JAX's persistent cache ($JAX_COMPILATION_CACHE_DIR or ~/.cache)"""
     env: EnvConfig = EnvConfig()
     """CartPole physics"""
 
 
-class UsageError(Exception):
-    """A user error: reported as one line, exit status 2, no traceback."""
-
-
-def chunk_counts(config: Config) -> tuple[int, int]:
-    """(iterations per chunk, number of chunks); an iteration steps every env once."""
-    iterations_per_chunk = max(config.log_every // max(config.num_envs, 1), 1)
-    return iterations_per_chunk, config.total_timesteps // (
-        iterations_per_chunk * max(config.num_envs, 1)
-    )
-
-
-def validate(config: Config) -> None:
-    """Raise UsageError naming the first bad flag and its allowed range; compiles nothing."""
-    c, e, (iterations_per_chunk, num_chunks) = config, config.env, chunk_counts(config)
-    chunk_steps, trained_steps = (
-        iterations_per_chunk * c.num_envs,
-        num_chunks * iterations_per_chunk * c.num_envs,
-    )
-    rules = (
-        [
-            (name, getattr(c, name) >= 1, ">= 1")
-            for name in [
-                "num_seeds",
-                "num_envs",
-                "total_timesteps",
-                "batch_size",
-                "buffer_size",
-                "updates_per_step",
-                "eval_episodes",
-                "log_every",
-            ]
-        ]
-        + [
-            (f"env.{name}", getattr(e, name) > 0, "> 0")
-            for name in [
-                "gravity",
-                "masscart",
-                "masspole",
-                "length",
-                "force_mag",
-                "tau",
-                "theta_threshold_radians",
-                "x_threshold",
-                "max_steps_in_episode",
-            ]
-        ]
-        + [
-            ("seed", 0 <= c.seed < 2**31 - c.num_seeds, "in [0, 2**31 - num-seeds)"),
-            ("learning_rate", c.learning_rate > 0, "> 0"),
-            ("gamma", 0 < c.gamma <= 1, "in (0, 1]"),
-            ("tau", 0 < c.tau <= 1, "in (0, 1]"),
-            ("buffer_size", c.buffer_size >= c.num_envs, f">= --num-envs ({c.num_envs})"),
-            ("batch_size", c.batch_size <= c.buffer_size, f"<= --buffer-size ({c.buffer_size})"),
-            ("max_grad_norm", c.max_grad_norm is None or c.max_grad_norm > 0, "> 0 or None"),
-            (
-                "hidden_sizes",
-                len(c.hidden_sizes) > 0 and min(c.hidden_sizes) >= 1,
-                "one or more widths >= 1",
-            ),
-            (
-                "total_timesteps",
-                c.eval_only or num_chunks >= 1,
-                f">= one chunk ({chunk_steps} env steps, see --log-every)",
-            ),
-            (
-                "learning_starts",
-                c.eval_only or 0 <= c.learning_starts < trained_steps,
-                f"in [0, {trained_steps}) (the env steps trained)",
-            ),
-            (
-                "num_seeds",
-                c.num_seeds % jax.device_count() == 0,
-                f"a multiple of the {jax.device_count()} devices",
-            ),
-            (
-                "load_model",
-                c.eval_only == (c.load_model is not None),
-                "given with --eval-only, and only then",
-            ),
-            (
-                "load_model",
-                c.load_model is None or Path(c.load_model).is_file(),
-                "an existing file",
-            ),
-        ]
-    )
-    for name, ok, allowed in rules:
-        if not ok:
-            value = getattr(e, name[4:]) if name.startswith("env.") else getattr(c, name)
-            raise UsageError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
-
-
-def default_config(env_id: str | None = None) -> Config:
-    """A task's defaults (flags override them). Swing-up explores more (target entropy 0, not -1), remembers
-    longer (1,000 steps of all envs) and trains twice as long: with these 8/8 seeds swung up (docs/sac.md)."""
-    swingup = dict(
-        target_entropy=0.0,
+def default_config(env_id: str = "CartPoleContinuous") -> Config:
+    """A task's defaults, which the command line's flags override. Swing-up keeps the batch that
+    it was tuned with, remembers longer (1,000 iterations of all envs) and trains twice as long
+    (docs/sac.md)."""
+    if env_id != "CartPoleSwingup":
+        return Config()
+    return Config(
+        env_id="CartPoleSwingup",
         tau=0.1,
+        batch_size=128,
         buffer_size=1_000_000,
         total_timesteps=8_192_000,
         log_every=1_024_000,
     )
-    return Config(env_id="CartPoleSwingup", **swingup) if env_id == "CartPoleSwingup" else Config()
 
 
-def parse_config(args: Sequence[str] | None = None) -> Config:
-    """tyro.cli over the defaults of the task that --env-id names (so --help lists those), with
-    tyro's boxed parse errors reduced to one line (exit status 2)."""
-    args = sys.argv[1:] if args is None else list(args)
-    # A peek at the task (in either of tyro's spellings, the last one wins) for the defaults to parse over.
-    named = [
-        value
-        for flag, value in zip(args, args[1:], strict=False)
-        if flag in ("--env-id", "--env_id")
-    ]
-    named += [arg.split("=", 1)[1] for arg in args if arg.startswith(("--env-id=", "--env_id="))]
-    default, captured = default_config(named[-1] if named else None), io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            return tyro.cli(Config, args=args, default=default, description=__doc__.splitlines()[0])
-    except SystemExit as exit_:
-        if (
-            exit_.code
-        ):  # not --help: the message under the box's title, wrapped lines joined, up to a rule
-            texts = [line.strip().strip("│|").strip() for line in captured.getvalue().splitlines()]
-            message = []  # a box in UTF-8, or ASCII rules without one: title, rule(s), message, rule
-            for text in texts[1:]:
-                if text.strip("─-+╭╮╰╯ "):
-                    message.append(text)
-                elif message:
-                    break
-            hints = [
-                texts[i + 1] for i, text in enumerate(texts[:-1]) if text == "Perhaps you meant:"
-            ]  # a typo
-            hint = f"; perhaps you meant {hints[0]}" if hints else ""
-            print(
-                f"{SCRIPT}.py: error: {' '.join(message) or 'bad arguments'}{hint} (see --help)",
-                file=sys.stderr,
-            )
-        raise
+def make_env(config: Config) -> tuple[envs.Environment, envs.CartPoleParams]:
+    """The one place the env is made: any env with gymnax's API and a Box action space fits."""
+    if config.env_id == "CartPoleSwingup":
+        env = envs.CartPoleSwingup()
+    else:
+        env = envs.CartPoleContinuous()
+    return env, envs.CartPoleParams(**dataclasses.asdict(config.env))
 
 
-# Everything else derived from the config, once; actions are action_offset + action_scale * tanh(u).
-Setup = collections.namedtuple(
-    "Setup",
-    "env env_params actor critic obs_dim action_dim action_scale action_offset target_entropy",
-)
+def env_name(config: Config) -> str:
+    return config.env_id
 
 
-def make_setup(config: Config) -> Setup:
-    env, env_params = (
-        envs.make(config.env_id)[0],
-        envs.CartPoleParams(**dataclasses.asdict(config.env)),
-    )
-    space = env.action_space(env_params)
-    action_dim = space.shape[0]
-    target_entropy = -action_dim if config.target_entropy is None else config.target_entropy
-    return Setup(
-        env,
-        env_params,
-        Actor(config.hidden_sizes, action_dim),
-        Critic(config.hidden_sizes),
-        env.observation_space(env_params).shape[0],
-        action_dim,
-        (space.high - space.low) / 2,
-        (space.high + space.low) / 2,
-        target_entropy,
-    )
+def chunk_sizes(config: Config) -> tuple[int, int]:
+    """(iterations per chunk, number of chunks); an iteration steps every env once."""
+    iterations_per_chunk = max(config.log_every // config.num_envs, 1)
+    num_chunks = config.total_timesteps // (iterations_per_chunk * config.num_envs)
+    return iterations_per_chunk, num_chunks
 
 
 # ---- networks ----
 
-LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # CleanRL's sac_continuous_action (from SpinningUp)
+# PyTorch's default Linear weight, U(+-1/sqrt(fan_in)), as CleanRL's networks start; zero biases.
+TORCH_LINEAR_INIT = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
+LOG_STD_MIN = -5.0  # log-std bounds of CleanRL's sac_continuous_action (from SpinningUp)
+LOG_STD_MAX = 2.0
 
 
 class Actor(nn.Module):
@@ -307,12 +175,15 @@ class Actor(nn.Module):
     action_dim: int
 
     @nn.compact
-    def __call__(self, x: Array) -> tuple[Array, Array]:  # x: observations
+    def __call__(self, obs: Array) -> tuple[Array, Array]:
+        x = obs
         for size in self.hidden_sizes:
-            x = nn.relu(nn.Dense(size)(x))
-        mean, log_std = jnp.split(nn.Dense(2 * self.action_dim)(x), 2, axis=-1)
-        # A smooth clamp into [LOG_STD_MIN, LOG_STD_MAX], as CleanRL does.
-        return mean, LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (jnp.tanh(log_std) + 1)
+            x = nn.relu(nn.Dense(size, kernel_init=TORCH_LINEAR_INIT)(x))
+        mean = nn.Dense(self.action_dim, kernel_init=TORCH_LINEAR_INIT, name="mean")(x)
+        log_std = nn.Dense(self.action_dim, kernel_init=TORCH_LINEAR_INIT, name="log_std")(x)
+        # A smooth clamp of the log-std into [LOG_STD_MIN, LOG_STD_MAX], as CleanRL does.
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (jnp.tanh(log_std) + 1)
+        return mean, log_std
 
 
 class Critic(nn.Module):
@@ -324,47 +195,36 @@ class Critic(nn.Module):
     def __call__(self, obs: Array, action: Array) -> Array:
         x = jnp.concatenate([obs, action], axis=-1)
         for size in self.hidden_sizes:
-            x = nn.relu(nn.Dense(size)(x))
-        return nn.Dense(1)(x).squeeze(-1)
+            x = nn.relu(nn.Dense(size, kernel_init=TORCH_LINEAR_INIT)(x))
+        return nn.Dense(1, kernel_init=TORCH_LINEAR_INIT, name="q")(x).squeeze(-1)
 
 
-def init_params(module: nn.Module, key: PRNGKey, *inputs: Array) -> Params:
-    """PyTorch's default weights U(+-1/sqrt(fan_in)) (as CleanRL's networks), zero biases, in one
-    draw: flax draws per layer, and on CPU every draw site is costly code to compile."""
-    shapes = jax.eval_shape(module.init, jax.random.key(0), *inputs)
-    flat, unflatten = jax.flatten_util.ravel_pytree(
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    )
-    uniform = unflatten(jax.random.uniform(key, flat.shape, flat.dtype, minval=-1.0, maxval=1.0))
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: x / np.sqrt(x.shape[0]) if path[-1].key == "kernel" else jnp.zeros_like(x),
-        uniform,
-    )
+def action_bounds(env: envs.Environment, env_params: Any) -> tuple[Array, Array]:
+    """(scale, offset) that map tanh's (-1, 1) onto the env's action box."""
+    space = env.action_space(env_params)
+    return (space.high - space.low) / 2, (space.high + space.low) / 2
 
 
 def squashed_gaussian_log_prob(
     pre_tanh: Array, mean: Array, log_std: Array, action_scale: Array
 ) -> Array:
-    """log density of offset + scale * tanh(u), u ~ N(mean, exp(log_std)^2) (change of variables),
-    with log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)): finite where the naive form is log 0."""
-    gaussian = (
-        -0.5 * ((pre_tanh - mean) / jnp.exp(log_std)) ** 2 - log_std - 0.5 * jnp.log(2 * jnp.pi)
-    )
-    log_abs_det = 2 * (jnp.log(2.0) - pre_tanh - jax.nn.softplus(-2 * pre_tanh)) + jnp.log(
-        action_scale
-    )
-    return jnp.sum(gaussian - log_abs_det, axis=-1)
+    """log density of offset + scale * tanh(u), u ~ N(mean, exp(log_std)^2) (change of
+    variables), with log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)): finite where the naive
+    form is log 0."""
+    gaussian = -0.5 * ((pre_tanh - mean) / jnp.exp(log_std)) ** 2 - log_std
+    gaussian = gaussian - 0.5 * jnp.log(2 * jnp.pi)
+    log_det = 2 * (jnp.log(2.0) - pre_tanh - jax.nn.softplus(-2 * pre_tanh)) + jnp.log(action_scale)
+    return jnp.sum(gaussian - log_det, axis=-1)
 
 
 def squashed_gaussian_sample(
     mean: Array, log_std: Array, noise: Array, action_scale: Array, action_offset: Array
 ) -> tuple[Array, Array]:
-    """The reparameterised sample for standard-normal `noise` (drawn by the caller), and its log-prob."""
+    """The reparameterised sample for standard-normal `noise`, and its log-prob."""
     chex.assert_equal_shape([mean, log_std, noise])
     pre_tanh = mean + jnp.exp(log_std) * noise
-    return action_offset + action_scale * jnp.tanh(pre_tanh), squashed_gaussian_log_prob(
-        pre_tanh, mean, log_std, action_scale
-    )
+    action = action_offset + action_scale * jnp.tanh(pre_tanh)
+    return action, squashed_gaussian_log_prob(pre_tanh, mean, log_std, action_scale)
 
 
 # ---- replay buffer ----
@@ -387,28 +247,34 @@ class Buffer:
 
 
 def buffer_init(capacity: int, obs_dim: int, action_dim: int) -> Buffer:
-    zeros = [
-        jnp.zeros((capacity, *shape)) for shape in [(obs_dim,), (action_dim,), (), (obs_dim,), ()]
-    ]
-    return Buffer(Transition(*zeros), position=jnp.int32(0), size=jnp.int32(0))
+    data = Transition(
+        obs=jnp.zeros((capacity, obs_dim)),
+        action=jnp.zeros((capacity, action_dim)),
+        reward=jnp.zeros(capacity),
+        next_obs=jnp.zeros((capacity, obs_dim)),
+        terminated=jnp.zeros(capacity),
+    )
+    return Buffer(data=data, position=jnp.int32(0), size=jnp.int32(0))
 
 
 def buffer_add(buffer: Buffer, transitions: Transition) -> Buffer:
     """Write one step's transitions (leading axis num_envs <= capacity) at once, wrapping around."""
-    capacity, count = buffer.data.reward.shape[0], transitions.reward.shape[0]
+    capacity = buffer.data.reward.shape[0]
+    count = transitions.reward.shape[0]
     slots = (buffer.position + jnp.arange(count)) % capacity
     data = jax.tree.map(
         lambda stored, new: stored.at[slots].set(new, unique_indices=True), buffer.data, transitions
     )
     return Buffer(
-        data, (buffer.position + count) % capacity, jnp.minimum(buffer.size + count, capacity)
+        data=data,
+        position=(buffer.position + count) % capacity,
+        size=jnp.minimum(buffer.size + count, capacity),
     )
 
 
 def buffer_sample(buffer: Buffer, key: PRNGKey, batch_size: int) -> Transition:
-    """A uniform batch from the filled slots only. Bits modulo the size: a bias below size / 2^32,
-    in one draw where jax.random.randint makes three, each costly code to compile on CPU."""
-    slots = jax.random.bits(key, (batch_size,)) % buffer.size.astype(jnp.uint32)
+    """A uniform batch from the filled slots only."""
+    slots = jax.random.randint(key, (batch_size,), 0, buffer.size)
     return jax.tree.map(lambda stored: stored[slots], buffer.data)
 
 
@@ -416,7 +282,9 @@ def buffer_sample(buffer: Buffer, key: PRNGKey, batch_size: int) -> Transition:
 
 
 @struct.dataclass
-class Learner:  # what a gradient update changes
+class Learner:
+    """What a gradient update changes."""
+
     actor_params: Params
     critic_params: Params  # twin critics: every leaf has a leading axis of 2
     target_critic_params: Params
@@ -428,7 +296,9 @@ class Learner:  # what a gradient update changes
 
 
 @struct.dataclass
-class TrainState:  # everything that flows through the training scan (one seed)
+class TrainState:
+    """Everything that flows through the training scan (one seed)."""
+
     learner: Learner
     buffer: Buffer
     env_state: envs.EpisodeStatsState  # [num_envs]
@@ -446,20 +316,46 @@ class Losses:
     entropy: Array  # -E[log pi(a|s)] of the env's (scaled) actions
 
 
+@struct.dataclass
+class Metrics:
+    """A chunk's numbers for one seed: means over its completed episodes and over its updates
+    (NaN where there were none)."""
+
+    env_steps: Array
+    updates: Array
+    episode_return: Array
+    episode_length: Array
+    critic_loss: Array
+    actor_loss: Array
+    alpha: Array
+    q_mean: Array
+    entropy: Array
+    params_finite: Array  # False once any parameter is NaN or inf
+
+
+def trained_params(state: TrainState) -> Params:
+    """What a checkpoint keeps and the evaluation reads."""
+    learner = state.learner
+    return {
+        "actor": learner.actor_params,
+        "critic": learner.critic_params,
+        "log_alpha": learner.log_alpha,
+    }
+
+
 def td_target(
     batch: Transition, next_q: Array, next_log_prob: Array, alpha: Array, gamma: float
 ) -> Array:
     """r + gamma * (1 - terminated) * (min_i Q_i'(s', a') - alpha * log pi(a'|s')), a' ~ pi(s')."""
     chex.assert_equal_shape([batch.reward, batch.terminated, next_log_prob, next_q[0]])
-    return batch.reward + gamma * (1.0 - batch.terminated) * (
-        jnp.min(next_q, axis=0) - alpha * next_log_prob
-    )
+    soft_value = jnp.min(next_q, axis=0) - alpha * next_log_prob
+    return batch.reward + gamma * (1.0 - batch.terminated) * soft_value
 
 
 def critic_loss(
     critic_params: Params, batch: Transition, target: Array, q_values: Callable
 ) -> tuple[Array, Array]:
-    """Sum over the twin critics (q_values -> [2, batch]) of the mean squared TD error, as CleanRL."""
+    """Sum over the twin critics (q_values -> [2, batch]) of the mean squared TD error (CleanRL)."""
     q = q_values(critic_params, batch.obs, batch.action)
     chex.assert_shape(q, (2, *target.shape))
     return jnp.sum(jnp.mean((q - jax.lax.stop_gradient(target)) ** 2, axis=1)), q
@@ -486,16 +382,9 @@ def alpha_loss(log_alpha: Array, log_prob: Array, target_entropy: float) -> Arra
     return -jnp.exp(log_alpha) * jnp.mean(jax.lax.stop_gradient(log_prob) + target_entropy)
 
 
-@struct.dataclass
-class Metrics:
-    """A chunk's row per seed: means over its completed episodes and its updates (NaN if none)."""
-
-    env_steps: Array
-    updates: Array
-    episode_return: Array
-    episode_length: Array
-    losses: Losses
-    params_finite: Array  # False once any parameter is NaN or inf
+def masked_mean(values: Array, mask: Array) -> Array:
+    """The mean of `values` where `mask` holds; NaN where it holds nowhere."""
+    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.where(mask.any(), mask.sum(), jnp.nan)
 
 
 # ---- training ----
@@ -504,159 +393,200 @@ class Metrics:
 def make_train(config: Config):
     """Static work once; returns the pure functions init(key) -> state, run_chunk(state, chunk)
     -> (state, metrics) and train(key) -> (state, metrics with a leading chunk axis)."""
-    setup, (iterations_per_chunk, num_chunks) = make_setup(config), chunk_counts(config)
-    env, env_params, actor, critic = (
-        envs.EpisodeStats(setup.env),
-        setup.env_params,
-        setup.actor,
-        setup.critic,
-    )
-    num_envs, action_dim, num_updates = config.num_envs, setup.action_dim, config.updates_per_step
-    # Three Adam states. Clipping, if asked for, is by the global norm, as the flag's name says.
-    clip = (
-        [optax.clip_by_global_norm(config.max_grad_norm)]
-        if config.max_grad_norm is not None
-        else []
-    )
-    actor_optimizer = critic_optimizer = optax.chain(*clip, optax.adam(config.learning_rate))
+    iterations_per_chunk, num_chunks = chunk_sizes(config)
+    env, env_params = make_env(config)
+    env = envs.EpisodeStats(env)
+    obs_dim = env.observation_space(env_params).shape[0]
+    action_dim = env.action_space(env_params).shape[0]
+    action_scale, action_offset = action_bounds(env, env_params)
+    actor = Actor(config.hidden_sizes, action_dim)
+    critic = Critic(config.hidden_sizes)
+    target_entropy = -action_dim if config.target_entropy is None else config.target_entropy
+    num_envs = config.num_envs
+    step_envs = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+    # Clipping, if asked for, is by the global norm, as the flag's name says.
+    clip = [] if config.max_grad_norm is None else [optax.clip_by_global_norm(config.max_grad_norm)]
+    network_optimizer = optax.chain(*clip, optax.adam(config.learning_rate))
     alpha_optimizer = optax.adam(config.learning_rate)
 
     def policy(actor_params: Params, obs: Array, noise: Array) -> tuple[Array, Array]:
         mean, log_std = actor.apply(actor_params, obs)
-        return squashed_gaussian_sample(
-            mean, log_std, noise, setup.action_scale, setup.action_offset
-        )
+        return squashed_gaussian_sample(mean, log_std, noise, action_scale, action_offset)
 
     def q_values(critic_params: Params, obs: Array, action: Array) -> Array:
         return jax.vmap(critic.apply, in_axes=(0, None, None))(critic_params, obs, action)
 
-    def update(learner: Learner, batch: Transition, noise: Array) -> tuple[Learner, Losses]:
-        """One gradient step on the critics, then the actor, then alpha; Polyak-averaged targets."""
-        next_noise, actor_noise = noise
+    def init(key: PRNGKey) -> TrainState:
+        """Fresh networks, optimisers and envs, and an empty buffer."""
+        key_actor, key_critic, key_envs, key_loop = jax.random.split(key, 4)
+        reset_envs = jax.vmap(env.reset, in_axes=(0, None))
+        obs, env_state = reset_envs(jax.random.split(key_envs, num_envs), env_params)
+        actor_params = actor.init(key_actor, obs)
+        critic_keys = jax.random.split(key_critic, 2)  # twin critics
+        critic_init = jax.vmap(critic.init, in_axes=(0, None, None))
+        critic_params = critic_init(critic_keys, obs, jnp.zeros((num_envs, action_dim)))
+        log_alpha = jnp.zeros(())  # alpha = 1 at the start, as in CleanRL
+        learner = Learner(
+            actor_params=actor_params,
+            critic_params=critic_params,
+            target_critic_params=critic_params,
+            log_alpha=log_alpha,
+            actor_opt_state=network_optimizer.init(actor_params),
+            critic_opt_state=network_optimizer.init(critic_params),
+            alpha_opt_state=alpha_optimizer.init(log_alpha),
+            updates=jnp.int32(0),
+        )
+        return TrainState(
+            learner=learner,
+            buffer=buffer_init(config.buffer_size, obs_dim, action_dim),
+            env_state=env_state,
+            obs=obs,
+            key=key_loop,
+            env_steps=jnp.int32(0),
+        )
+
+    # UPDATE NETWORKS: the critics, then the actor, then the temperature (rejax's order of steps)
+
+    def update_critic(learner: Learner, batch: Transition, key: PRNGKey):
+        """A gradient step on the twin critics towards the soft TD target; Polyak targets."""
         alpha = jnp.exp(learner.log_alpha)
+        next_noise = jax.random.normal(key, batch.action.shape)
         next_action, next_log_prob = policy(learner.actor_params, batch.next_obs, next_noise)
         next_q = q_values(learner.target_critic_params, batch.next_obs, next_action)
         target = td_target(batch, next_q, next_log_prob, alpha, config.gamma)
-        (c_loss, q), grads = jax.value_and_grad(critic_loss, has_aux=True)(
-            learner.critic_params, batch, target, q_values
-        )
-        updates, critic_opt_state = critic_optimizer.update(
+        loss_grad = jax.value_and_grad(critic_loss, has_aux=True)
+        (loss, q), grads = loss_grad(learner.critic_params, batch, target, q_values)
+        updates, opt_state = network_optimizer.update(
             grads, learner.critic_opt_state, learner.critic_params
         )
         critic_params = optax.apply_updates(learner.critic_params, updates)
-        (a_loss, log_prob), grads = jax.value_and_grad(actor_loss, has_aux=True)(
-            learner.actor_params, critic_params, batch.obs, actor_noise, alpha, policy, q_values
+        learner = learner.replace(
+            critic_params=critic_params,
+            target_critic_params=optax.incremental_update(
+                critic_params, learner.target_critic_params, config.tau
+            ),
+            critic_opt_state=opt_state,
         )
-        updates, actor_opt_state = actor_optimizer.update(
+        return learner, loss, q
+
+    def update_actor(learner: Learner, obs: Array, key: PRNGKey):
+        """A gradient step on the actor against the updated critics."""
+        alpha = jnp.exp(learner.log_alpha)
+        noise = jax.random.normal(key, (obs.shape[0], action_dim))
+        loss_grad = jax.value_and_grad(actor_loss, has_aux=True)
+        (loss, log_prob), grads = loss_grad(
+            learner.actor_params, learner.critic_params, obs, noise, alpha, policy, q_values
+        )
+        updates, opt_state = network_optimizer.update(
             grads, learner.actor_opt_state, learner.actor_params
         )
-        grad = jax.grad(alpha_loss)(learner.log_alpha, log_prob, setup.target_entropy)
-        alpha_updates, alpha_opt_state = alpha_optimizer.update(
+        actor_params = optax.apply_updates(learner.actor_params, updates)
+        return learner.replace(actor_params=actor_params, actor_opt_state=opt_state), loss, log_prob
+
+    def update_temperature(learner: Learner, log_prob: Array) -> Learner:
+        """A gradient step on log(alpha) towards the target entropy."""
+        grad = jax.grad(alpha_loss)(learner.log_alpha, log_prob, target_entropy)
+        updates, opt_state = alpha_optimizer.update(
             grad, learner.alpha_opt_state, learner.log_alpha
         )
-        learner = Learner(
-            optax.apply_updates(learner.actor_params, updates),
-            critic_params,
-            optax.incremental_update(critic_params, learner.target_critic_params, config.tau),
-            optax.apply_updates(learner.log_alpha, alpha_updates),
-            actor_opt_state,
-            critic_opt_state,
-            alpha_opt_state,
-            learner.updates + 1,
-        )
-        return learner, Losses(c_loss, a_loss, alpha, jnp.mean(q), -jnp.mean(log_prob))
+        log_alpha = optax.apply_updates(learner.log_alpha, updates)
+        return learner.replace(log_alpha=log_alpha, alpha_opt_state=opt_state)
 
-    def iteration(state: TrainState, index: Array) -> tuple[TrainState, tuple[Any, ...]]:
-        """Step every env, store the transitions, then num_updates updates once past the warm-up. `index`
-        (iterations so far) comes from the scan, not the state: equal across seeds, so cond stays a branch."""
-        # One split for the iteration: on CPU every random-draw site is a kernel to compile.
-        keys = jax.random.split(state.key, 2 + num_envs + 2 * num_updates)
-        key, key_action, env_keys, update_keys = (
-            keys[0],
-            keys[1],
-            keys[2 : 2 + num_envs],
-            keys[2 + num_envs :],
+    def update(learner: Learner, buffer: Buffer, key: PRNGKey) -> tuple[Learner, Losses]:
+        """One SAC update on a batch sampled from the buffer."""
+        key_batch, key_critic, key_actor = jax.random.split(key, 3)
+        alpha = jnp.exp(learner.log_alpha)  # logged before this update changes it
+        batch = buffer_sample(buffer, key_batch, config.batch_size)
+        learner, critic_loss_value, q = update_critic(learner, batch, key_critic)
+        learner, actor_loss_value, log_prob = update_actor(learner, batch.obs, key_actor)
+        learner = update_temperature(learner, log_prob)
+        learner = learner.replace(updates=learner.updates + 1)
+        losses = Losses(
+            critic_loss=critic_loss_value,
+            actor_loss=actor_loss_value,
+            alpha=alpha,
+            q_mean=jnp.mean(q),
+            entropy=-jnp.mean(log_prob),
         )
+        return learner, losses
+
+    def learn(learner: Learner, buffer: Buffer, key: PRNGKey) -> tuple[Learner, Losses]:
+        """updates_per_step updates in a row; their losses averaged."""
+
+        def one_update(learner: Learner, key: PRNGKey) -> tuple[Learner, Losses]:
+            return update(learner, buffer, key)
+
+        update_keys = jax.random.split(key, config.updates_per_step)
+        learner, losses = jax.lax.scan(one_update, learner, update_keys)
+        return learner, jax.tree.map(jnp.mean, losses)
+
+    def wait(learner: Learner, buffer: Buffer, key: PRNGKey) -> tuple[Learner, Losses]:
+        """No update during the warm-up (zero losses, masked out of the metrics)."""
+        zero = jnp.float32(0.0)
+        losses = Losses(critic_loss=zero, actor_loss=zero, alpha=zero, q_mean=zero, entropy=zero)
+        return learner, losses
+
+    def iteration(state: TrainState, index: Array):
+        """Step every env, store the transitions, then update once past the warm-up. `index`
+        (iterations so far) comes from the scan, not the state: equal across vmapped seeds, so
+        the warm-up's lax.cond stays a branch instead of computing both sides."""
+        key, key_action, key_envs, key_update = jax.random.split(state.key, 4)
         learning = index * num_envs >= config.learning_starts
+
+        # COLLECT: the policy's actions, or uniformly random ones during the warm-up
         noise = jax.random.normal(key_action, (num_envs, action_dim))
         policy_action, _ = policy(state.learner.actor_params, state.obs, noise)
-        # Warm-up actions are uniform: erf(z / sqrt 2) of a standard normal z is uniform on (-1, 1).
-        random_action = setup.action_offset + setup.action_scale * jax.scipy.special.erf(
-            noise / jnp.sqrt(2.0)
-        )
-        action = jnp.where(learning, policy_action, random_action)
-        obs, env_state, reward, terminated, _, info = jax.vmap(env.step, in_axes=(0, 0, 0, None))(
+        # erf(z / sqrt 2) of a standard normal z is uniform on (-1, 1): one draw serves both.
+        uniform = jax.scipy.special.erf(noise / jnp.sqrt(2.0))
+        action = jnp.where(learning, policy_action, action_offset + action_scale * uniform)
+        env_keys = jax.random.split(key_envs, num_envs)
+        obs, env_state, reward, terminated, _, info = step_envs(
             env_keys, state.env_state, action, env_params
         )
-        # final_observation is the pre-reset one: a time-limit end still bootstraps from it.
-        buffer = buffer_add(
-            state.buffer,
-            Transition(
-                state.obs, action, reward, info["final_observation"], terminated.astype(jnp.float32)
-            ),
-        )
 
-        def learn(learner: Learner, keys: PRNGKey) -> tuple[Learner, Losses]:
-            batch = buffer_sample(buffer, keys[0], config.batch_size)
-            return update(
-                learner, batch, jax.random.normal(keys[1], (2, config.batch_size, action_dim))
-            )
-
-        learner, losses = jax.lax.cond(
-            learning,
-            lambda learner: jax.lax.scan(learn, learner, update_keys.reshape(num_updates, 2)),
-            lambda learner: (learner, Losses(*[jnp.zeros(num_updates)] * 5)),
-            state.learner,
+        # STORE: final_observation is the pre-reset one, so a time-limit end still bootstraps
+        transitions = Transition(
+            obs=state.obs,
+            action=action,
+            reward=reward,
+            next_obs=info["final_observation"],
+            terminated=terminated.astype(jnp.float32),
         )
-        state = TrainState(learner, buffer, env_state, obs, key, state.env_steps + num_envs)
+        buffer = buffer_add(state.buffer, transitions)
+
+        # UPDATE NETWORKS
+        learner, losses = jax.lax.cond(learning, learn, wait, state.learner, buffer, key_update)
+
+        state = TrainState(
+            learner=learner,
+            buffer=buffer,
+            env_state=env_state,
+            obs=obs,
+            key=key,
+            env_steps=state.env_steps + num_envs,
+        )
         episodes = (info["returned_episode"], info["episode_return"], info["episode_length"])
-        return state, (episodes, learning, jax.tree.map(jnp.mean, losses))
-
-    def init(key: PRNGKey) -> TrainState:
-        """Fresh networks, optimisers and envs, and an empty buffer."""
-        key, key_actor, key_critic, key_env = jax.random.split(key, 4)
-        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-            jax.random.split(key_env, num_envs), env_params
-        )
-        actor_params = init_params(actor, key_actor, obs)
-        critic_params = jax.vmap(init_params, in_axes=(None, 0, None, None))(  # twin critics
-            critic, jax.random.split(key_critic, 2), obs, jnp.zeros((num_envs, action_dim))
-        )
-        log_alpha = jnp.zeros(())  # alpha = 1 at the start, as in CleanRL
-        learner = Learner(
-            actor_params,
-            critic_params,
-            critic_params,
-            log_alpha,
-            actor_optimizer.init(actor_params),
-            critic_optimizer.init(critic_params),
-            alpha_optimizer.init(log_alpha),
-            jnp.int32(0),
-        )
-        buffer = buffer_init(config.buffer_size, setup.obs_dim, action_dim)
-        return TrainState(learner, buffer, env_state, obs, key, env_steps=jnp.int32(0))
+        return state, (episodes, learning, losses)
 
     def run_chunk(state: TrainState, chunk: Array) -> tuple[TrainState, Metrics]:
         """Chunk number `chunk` (from 0): iterations_per_chunk iterations in one scan."""
         indices = chunk * iterations_per_chunk + jnp.arange(iterations_per_chunk)
-        state, ((done, episode_return, episode_length), learning, losses) = jax.lax.scan(
-            iteration, state, indices
+        state, (episodes, learning, losses) = jax.lax.scan(iteration, state, indices)
+        episode_ended, episode_return, episode_length = episodes
+        params = jax.tree.leaves(trained_params(state))
+        metrics = Metrics(
+            env_steps=state.env_steps,
+            updates=state.learner.updates,
+            episode_return=masked_mean(episode_return, episode_ended),
+            episode_length=masked_mean(episode_length, episode_ended),
+            critic_loss=masked_mean(losses.critic_loss, learning),
+            actor_loss=masked_mean(losses.actor_loss, learning),
+            alpha=masked_mean(losses.alpha, learning),
+            q_mean=masked_mean(losses.q_mean, learning),
+            entropy=masked_mean(losses.entropy, learning),
+            params_finite=jnp.all(jnp.array([jnp.isfinite(x).all() for x in params])),
         )
-        learner = state.learner
-        params, _ = jax.flatten_util.ravel_pytree(
-            (learner.actor_params, learner.critic_params, learner.log_alpha)
-        )
-        masked_mean = lambda x, mask: (
-            jnp.sum(jnp.where(mask, x, 0)) / jnp.where(mask.any(), mask.sum(), jnp.nan)
-        )  # noqa: E731
-        return state, Metrics(
-            state.env_steps,
-            learner.updates,
-            masked_mean(episode_return, done),
-            masked_mean(episode_length, done),
-            jax.tree.map(lambda x: masked_mean(x, learning), losses),
-            jnp.all(jnp.isfinite(params)),
-        )
+        return state, metrics
 
     def train(key: PRNGKey) -> tuple[TrainState, Metrics]:
         return jax.lax.scan(run_chunk, init(key), jnp.arange(num_chunks))
@@ -664,371 +594,517 @@ def make_train(config: Config):
     return init, run_chunk, train
 
 
-# ---- evaluation, checkpoint, plots, GIF ----
+# ---- evaluation ----
 
-GIF_ENVS = 4  # evaluation episodes shown side by side in policy.gif
-GIF_STRIDE = 2  # every second step: 25 frames per second of simulated time
+GIF_ENVS = 4  # envs side by side in policy.gif
+GIF_STRIDE = 2  # every second step: 25 frames per second of simulated time at the default tau
 UPRIGHT_RADIANS = math.radians(12)  # "upright": |theta| below the angle at which balance fails
 
 
-def make_evaluate(config: Config):
-    """evaluate(actor_params, key) -> (mean deterministic return over eval_episodes, the fraction of
-    episodes upright at every step of their second half, env states [time, GIF_ENVS] for the GIF).
-    step_env (no auto-reset); after a termination, rewards are masked and the state is frozen."""
-    setup = make_setup(config)
-    env, env_params, num_episodes = setup.env, setup.env_params, config.eval_episodes
-    num_steps = config.env.max_steps_in_episode
+def make_deterministic_policy(config: Config):
+    """(env, env_params, act(params, obs) -> the actor's mean action, squashed into the bounds)."""
+    env, env_params = make_env(config)
+    action_scale, action_offset = action_bounds(env, env_params)
+    actor = Actor(config.hidden_sizes, env.action_space(env_params).shape[0])
 
-    def evaluate(actor_params: Params, key: PRNGKey) -> tuple[Array, Array, envs.CartPoleState]:
+    def act(params: Params, obs: Array) -> Array:
+        mean, _ = actor.apply(params["actor"], obs)
+        return action_offset + action_scale * jnp.tanh(mean)
+
+    return env, env_params, act
+
+
+def make_evaluate(config: Config):
+    """evaluate(params, key) -> {"episode_return", "upright"}, each [eval_episodes], of the
+    deterministic policy: whole episodes without auto-reset, rewards after a termination masked.
+    "upright" is 1.0 where the pole stayed within UPRIGHT_RADIANS of vertical (the angle taken
+    in [-pi, pi)), with the episode still running, at every step of the episode's second half."""
+    env, env_params, act = make_deterministic_policy(config)
+    num_episodes = config.eval_episodes
+    num_steps = config.env.max_steps_in_episode
+    step_envs = jax.vmap(env.step_env, in_axes=(0, 0, 0, None))
+
+    def evaluate(params: Params, key: PRNGKey) -> dict[str, Array]:
         key_reset, key_steps = jax.random.split(key)
-        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-            jax.random.split(key_reset, num_episodes), env_params
-        )
+        reset_keys = jax.random.split(key_reset, num_episodes)
+        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)
 
         def step(carry, inputs):
             obs, env_state, total, running, upright = carry
             keys, second_half = inputs
-            action = setup.action_offset + setup.action_scale * jnp.tanh(
-                setup.actor.apply(actor_params, obs)[0]
+            obs, env_state, reward, terminated, _ = step_envs(
+                keys, env_state, act(params, obs), env_params
             )
-            obs, next_state, reward, terminated, _ = jax.vmap(
-                env.step_env, in_axes=(0, 0, 0, None)
-            )(keys, env_state, action, env_params)
-            stepped = running & ~terminated
-            upright &= ~second_half | (
-                stepped & (jnp.abs(envs.angle_normalize(next_state.theta)) < UPRIGHT_RADIANS)
-            )
-            next_state = jax.tree.map(
-                lambda new, old: jnp.where(running, new, old), next_state, env_state
-            )
-            carry = (obs, next_state, total + jnp.where(running, reward, 0.0), stepped, upright)
-            return carry, jax.tree.map(lambda x: x[:GIF_ENVS], env_state)
+            total = total + jnp.where(running, reward, 0.0)
+            running = running & ~terminated
+            pole_up = jnp.abs(envs.angle_normalize(env_state.theta)) < UPRIGHT_RADIANS
+            upright = upright & (~second_half | (running & pole_up))
+            return (obs, env_state, total, running, upright), None
 
-        carry = (
-            obs,
-            env_state,
-            jnp.zeros(num_episodes),
-            jnp.ones(num_episodes, bool),
-            jnp.ones(num_episodes, bool),
-        )
-        inputs = (
-            jax.random.split(key_steps, (num_steps, num_episodes)),
-            jnp.arange(num_steps) >= num_steps // 2,
-        )
-        (_, _, total, _, upright), states = jax.lax.scan(step, carry, inputs)
-        return jnp.mean(total), jnp.mean(upright), states
+        running = jnp.ones(num_episodes, bool)
+        carry = (obs, env_state, jnp.zeros(num_episodes), running, running)
+        step_keys = jax.random.split(key_steps, (num_steps, num_episodes))
+        second_half = jnp.arange(num_steps) >= num_steps // 2
+        (_, _, total, _, upright), _ = jax.lax.scan(step, carry, (step_keys, second_half))
+        return {"episode_return": total, "upright": upright.astype(jnp.float32)}
 
     return evaluate
 
 
-def write_atomic(
-    path: Path, write: Callable[[Path], Any]
-) -> None:  # no reader sees a half-written file
-    write(temporary := path.with_name(f".{path.stem}.tmp{path.suffix}"))
+def make_render(config: Config):
+    """(render(params, key) -> uint8 frames [time, height, width, 3]: one episode of the
+    deterministic policy in GIF_ENVS envs side by side, every GIF_STRIDE-th step, drawn by the
+    env's renderer, an ended episode held where it ended; seconds of simulated time per frame)."""
+    env, env_params, act = make_deterministic_policy(config)
+    step_envs = jax.vmap(env.step_env, in_axes=(0, 0, 0, None))
+    draw = jax.vmap(jax.vmap(lambda env_state: env.render(env_state, env_params, 120, 180)))
+
+    def render(params: Params, key: PRNGKey) -> Array:
+        key_reset, key_steps = jax.random.split(key)
+        reset_keys = jax.random.split(key_reset, GIF_ENVS)
+        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)
+
+        def step(carry, keys):
+            obs, env_state, running = carry
+            obs, next_state, _, terminated, _ = step_envs(
+                keys, env_state, act(params, obs), env_params
+            )
+            next_state = jax.tree.map(
+                lambda new, old: jnp.where(running, new, old), next_state, env_state
+            )
+            return (obs, next_state, running & ~terminated), env_state
+
+        carry = (obs, env_state, jnp.ones(GIF_ENVS, bool))
+        step_keys = jax.random.split(key_steps, (config.env.max_steps_in_episode, GIF_ENVS))
+        _, states = jax.lax.scan(step, carry, step_keys)
+        images = draw(jax.tree.map(lambda x: x[::GIF_STRIDE], states))  # [time, env, h, w, 3]
+        return jnp.concatenate(list(images.swapaxes(0, 1)), axis=2)  # the envs left to right
+
+    return render, config.env.tau * GIF_STRIDE
+
+
+# ---- command line: nothing below changes what is learned ----
+
+SOLVED_RETURN = 475.0  # CartPole-v1's bar (gymnasium); swing-up is judged by "upright"
+LOSS_COLUMNS = ("critic_loss", "actor_loss", "alpha", "q_mean", "entropy")  # checked for NaN
+METRIC_COLUMNS = ("episode_return", "episode_length", *LOSS_COLUMNS)  # fields of Metrics
+CSV_COLUMNS = ("seed", "env_steps", "updates", "wall_seconds", "sps", *METRIC_COLUMNS)
+PROGRESS_COLUMNS = ("critic_loss", "actor_loss", "alpha")  # on each progress line after the return
+# With --eval-only the checkpoint's config sets every field but these.
+EVAL_ONLY_FIELDS = (
+    "eval_episodes",
+    "output_dir",
+    "capture_gif",
+    "plot",
+    "load_model",
+    "eval_only",
+    "save_model",
+    "compile_cache",
+)
+
+
+class UsageError(Exception):
+    """A user error: reported as one line, exit status 2, no traceback."""
+
+
+def require(holds: bool, name: str, allowed: str, value: Any) -> None:
+    if not holds:
+        raise UsageError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+
+
+def validate(config: Config) -> None:
+    """Raise UsageError naming the first bad flag and its allowed range; compiles nothing."""
+    for name in ("num_seeds", "num_envs", "total_timesteps", "batch_size", "buffer_size"):
+        require(getattr(config, name) >= 1, name, ">= 1", getattr(config, name))
+    for name in ("updates_per_step", "eval_episodes", "log_every"):
+        require(getattr(config, name) >= 1, name, ">= 1", getattr(config, name))
+    for name, value in dataclasses.asdict(config.env).items():
+        require(value > 0, f"env.{name}", "> 0", value)
+    require(
+        0 <= config.seed < 2**31 - config.num_seeds,
+        "seed",
+        "in [0, 2**31 - num-seeds)",
+        config.seed,
+    )
+    require(config.learning_rate > 0, "learning_rate", "> 0", config.learning_rate)
+    require(0 < config.gamma <= 1, "gamma", "in (0, 1]", config.gamma)
+    require(0 < config.tau <= 1, "tau", "in (0, 1]", config.tau)
+    require(
+        config.buffer_size >= config.num_envs, "buffer_size", ">= --num-envs", config.buffer_size
+    )
+    require(
+        config.batch_size <= config.buffer_size, "batch_size", "<= --buffer-size", config.batch_size
+    )
+    max_grad_norm_ok = config.max_grad_norm is None or config.max_grad_norm > 0
+    require(max_grad_norm_ok, "max_grad_norm", "> 0 or None", config.max_grad_norm)
+    widths_ok = len(config.hidden_sizes) > 0 and min(config.hidden_sizes) >= 1
+    require(widths_ok, "hidden_sizes", "one or more widths >= 1", config.hidden_sizes)
+    iterations_per_chunk, num_chunks = chunk_sizes(config)
+    chunk_steps = iterations_per_chunk * config.num_envs
+    trained_steps = num_chunks * chunk_steps
+    if not config.eval_only:
+        one_chunk = f">= one chunk ({chunk_steps} env steps, see --log-every)"
+        require(num_chunks >= 1, "total_timesteps", one_chunk, config.total_timesteps)
+        starts_ok = 0 <= config.learning_starts < trained_steps
+        trained = f"in [0, {trained_steps}) (the env steps trained)"
+        require(starts_ok, "learning_starts", trained, config.learning_starts)
+    devices = f"a multiple of the {jax.device_count()} devices"
+    require(config.num_seeds % jax.device_count() == 0, "num_seeds", devices, config.num_seeds)
+    if config.eval_only != (config.load_model is not None):
+        raise UsageError("--eval-only and --load-model PATH go together (evaluate a checkpoint)")
+    exists = config.load_model is None or Path(config.load_model).is_file()
+    require(exists, "load_model", "an existing file", config.load_model)
+
+
+def enable_compile_cache(config: Config) -> str:
+    """Turn on JAX's persistent compilation cache (a rerun loads its programs instead of compiling
+    them); returns where it is, or why it is off."""
+    if not config.compile_cache:  # (JAX itself still reads $JAX_COMPILATION_CACHE_DIR if set)
+        return "off (--no-compile-cache)"
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jax-rl-scripts"
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(default)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # small CPU programs too
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_compilation_cache_max_size", 2**30)  # the least recently used go first
+    return path
+
+
+def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    """write(temporary path), then a rename: a reader never sees a half-written file."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    write(temporary)
     os.replace(temporary, path)
 
 
-def save_checkpoint(path: Path, config: Config, learner: Learner) -> None:
-    """Every seed's actor, critics and temperature (leading seed axis), with the config."""
-    params = {
-        "actor": learner.actor_params,
-        "critic": learner.critic_params,
-        "log_alpha": learner.log_alpha,
-    }
-    payload = {
-        "script": SCRIPT,
-        "env_id": config.env_id,
-        "config": json.dumps(dataclasses.asdict(config)),
-        "params": flax.serialization.to_state_dict(jax.device_get(params)),
-    }
-    write_atomic(
-        path, lambda temporary: temporary.write_bytes(flax.serialization.msgpack_serialize(payload))
-    )
+def write_csv(path: Path, rows: list[dict]) -> None:
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(path, lambda temporary: temporary.write_text(text.getvalue()))
 
 
-def load_checkpoint(config: Config) -> tuple[Config, Params]:
-    """(the config to evaluate with, every seed's actor parameters): the checkpoint's config (its
-    env, network and seeds, so the same evaluation episodes) with this run's output options."""
-    try:
-        payload = flax.serialization.msgpack_restore(Path(config.load_model).read_bytes())
-        script, env_id, saved = payload["script"], payload["env_id"], json.loads(payload["config"])
-    except Exception as error:  # whatever is wrong with the file, it is the same user error
-        raise UsageError(
-            f"--load-model {config.load_model} is not a model.msgpack ({error!r})"
-        ) from None
-    if (script, env_id) != (SCRIPT, config.env_id):
-        raise UsageError(
-            f"--load-model {config.load_model} is a {script} checkpoint for {env_id}, not "
-            f"{config.env_id} (--env-id)"
-        )
-    outputs = {
-        name: getattr(config, name)
-        for name in ["eval_episodes", "output_dir", "capture_gif", "load_model"]
-    }
-    config = Config(
-        **{
-            **saved,
-            **outputs,
-            "hidden_sizes": tuple(saved["hidden_sizes"]),
-            "env": EnvConfig(**saved["env"]),
-            "eval_only": True,
-            "save_model": False,
-            "plot": False,
-        }
-    )
-    return config, jax.tree.map(
-        jnp.asarray, payload["params"]["actor"]
-    )  # flax applies plain dicts of arrays
+def write_json(path: Path, values: dict) -> None:
+    write_atomic(path, lambda temporary: temporary.write_text(json.dumps(values, indent=2) + "\n"))
 
 
-CSV_COLUMNS = [
-    "seed",
-    "env_steps",
-    "updates",
-    "wall_seconds",
-    "sps",
-    "episode_return",
-    "episode_length",
-    "critic_loss",
-    "actor_loss",
-    "alpha",
-    "q_mean",
-    "entropy",
-]
+def plot_curves(path: Path, config: Config, rows: list[dict]) -> None:
+    """Every metric against env steps: the mean over seeds and the min-max band."""
+    from matplotlib.figure import Figure  # imported here: it is slow to import
+
+    columns = METRIC_COLUMNS
+    seeds = sorted({row["seed"] for row in rows})
+    steps = np.array([row["env_steps"] for row in rows if row["seed"] == seeds[0]])
+    figure = Figure(figsize=(13, 3.2 * -(-len(columns) // 3)), layout="constrained")
+    axes = figure.subplots(-(-len(columns) // 3), 3, squeeze=False).flat
+    for axis, name in zip(axes, columns, strict=False):
+        values = np.array([[row[name] for row in rows if row["seed"] == seed] for seed in seeds])
+        shown = np.isfinite(values).any(axis=0)  # chunks without episodes or updates are NaN
+        axis.plot(steps[shown], np.nanmean(values[:, shown], axis=0))
+        low, high = np.nanmin(values[:, shown], axis=0), np.nanmax(values[:, shown], axis=0)
+        axis.fill_between(steps[shown], low, high, alpha=0.25)
+        axis.set(title=name, xlabel="env steps")
+    axes[0].axhline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
+    for axis in axes[len(columns) :]:
+        axis.set_visible(False)
+    figure.suptitle(f"{SCRIPT} on {env_name(config)}, {len(seeds)} seed(s)")
+    write_atomic(path, lambda temporary: figure.savefig(temporary, format="png", dpi=80))
 
 
-def plot_curves(path: Path, rows: list[dict], num_seeds: int, env_id: str) -> None:
-    """Return against env steps (mean and min-max band over seeds), and the losses."""
-    from matplotlib.figure import Figure  # here, not at the top: it takes half a second to import
+def write_gif(path: Path, frames: np.ndarray, seconds_per_frame: float) -> None:
+    """Frames [time, height, width, 3] as an animated GIF playing in real time."""
+    from PIL import Image  # matplotlib's dependency
 
-    figure = Figure(figsize=(13, 6.5), layout="constrained")
-    for axis, column in zip(
-        figure.subplots(2, 3).flat, ["episode_return", *CSV_COLUMNS[-5:]], strict=True
-    ):
-        steps, values = (
-            np.array([row[name] for row in rows], float).reshape(-1, num_seeds)
-            for name in ["env_steps", column]
-        )
-        finite = np.isfinite(values).all(axis=1)  # chunks without episodes or updates are NaN
-        axis.plot(steps[finite, 0], values[finite].mean(axis=1))
-        axis.fill_between(
-            steps[finite, 0], values[finite].min(axis=1), values[finite].max(axis=1), alpha=0.25
-        )
-        axis.set(title=column, xlabel="env steps")
-    figure.suptitle(f"{SCRIPT} on {env_id}, {num_seeds} seed(s)")
-    write_atomic(path, lambda temporary: figure.savefig(temporary, dpi=80))
-
-
-def write_gif(path: Path, config: Config, env_states: envs.CartPoleState) -> None:
-    """Episodes side by side (env_states [time, GIF_ENVS]), drawn by the env's renderer."""
-    from PIL import Image  # pillow comes with matplotlib
-
-    setup = make_setup(config)
-    render = jax.jit(
-        jax.vmap(jax.vmap(lambda state: setup.env.render(state, setup.env_params, 120, 180)))
-    )
-    env_states = jax.tree.map(lambda x: x[::GIF_STRIDE], env_states)
-    frames = np.concatenate(
-        np.asarray(render(env_states)).transpose(1, 0, 2, 3, 4), axis=2
-    )  # [time, h, w * envs, 3]
-    images = [Image.fromarray(frame).quantize(colors=16) for frame in frames]
+    images = [Image.fromarray(frame) for frame in frames]
+    palette = images[0].quantize(colors=16)  # a few flat colours: one palette for every frame
+    images = [image.quantize(palette=palette, dither=Image.Dither.NONE) for image in images]
+    duration = round(1000 * seconds_per_frame)
     write_atomic(
         path,
         lambda temporary: images[0].save(
             temporary,
+            format="GIF",
             save_all=True,
             append_images=images[1:],
-            duration=round(1000 * config.env.tau * GIF_STRIDE),
+            duration=duration,
             loop=0,
         ),
     )
 
 
-# ---- main ----
+def save_checkpoint(path: Path, config: Config, params: Params) -> None:
+    """Every seed's parameters (leading seed axis), with the config."""
+    payload = {
+        "script": SCRIPT,
+        "env": env_name(config),
+        "config": json.dumps(dataclasses.asdict(config)),
+        "params": flax.serialization.to_state_dict(jax.device_get(params)),
+    }
+    payload_bytes = flax.serialization.msgpack_serialize(payload)
+    write_atomic(path, lambda temporary: temporary.write_bytes(payload_bytes))
 
 
-def seed_keys(config: Config) -> PRNGKey:  # seed i of a vmapped run is the run of --seed (seed + i)
-    return jax.vmap(jax.random.key)(config.seed + jnp.arange(config.num_seeds))
+def flag_values(config: Config) -> dict[str, Any]:
+    """Every field under its command-line name (the env's as env.<name>)."""
+    values = {name: value for name, value in vars(config).items() if name != "env"}
+    return values | {f"env.{name}": value for name, value in vars(config.env).items()}
 
 
-def train_and_log(
-    config: Config, sharding: NamedSharding, out: Path, evaluate: Callable, eval_keys: PRNGKey
-):
-    """The CLI's loop: the compiled chunk function from Python, a progress line per chunk."""
-    (init, run_chunk, _), (iterations_per_chunk, num_chunks) = (
-        make_train(config),
-        chunk_counts(config),
-    )
-    keys = jax.device_put(seed_keys(config), sharding)
+def load_checkpoint(config: Config) -> tuple[Config, Params]:
+    """(the checkpoint's config with this command's evaluation and output flags, every seed's
+    parameters). UsageError for a file that is not this script's checkpoint, or for a flag
+    that the checkpoint's config would silently override."""
+    try:
+        payload = flax.serialization.msgpack_restore(Path(config.load_model).read_bytes())
+        script = payload["script"]
+        env = payload["env"]
+        if script == SCRIPT:
+            saved = json.loads(payload["config"])
+            saved = {
+                key: tuple(value) if isinstance(value, list) else value
+                for key, value in saved.items()
+            }
+            saved = Config(**{**saved, "env": EnvConfig(**saved["env"])})
+    except Exception as error:  # whatever is wrong with the file, it is the same user error
+        message = f"--load-model {config.load_model} is not a model.msgpack"
+        raise UsageError(f"{message} ({type(error).__name__})") from None
+    if script != SCRIPT:
+        message = f"--load-model {config.load_model} is a {script} checkpoint for {env}"
+        raise UsageError(f"{message}, not {SCRIPT}'s")
+    given = flag_values(config)
+    # The defaults this command parsed over: the task's own (see parse_config).
+    defaults = dataclasses.replace(default_config(config.env_id), env_id=Config().env_id)
+    defaults = flag_values(defaults)
+    checkpoint = flag_values(saved)
+    for name, value in given.items():
+        if name not in EVAL_ONLY_FIELDS and value not in (defaults[name], checkpoint[name]):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} is set by the checkpoint with --eval-only; leave it out")
+    evaluation = {name: getattr(config, name) for name in EVAL_ONLY_FIELDS}
+    config = dataclasses.replace(saved, **evaluation)
+    validate(config)  # e.g. its seeds on the devices visible now
+    return config, jax.tree.map(jnp.asarray, payload["params"])
+
+
+class SeedKeys(NamedTuple):
+    """Per seed (leading axis num_seeds), three independent keys split once from the seed's."""
+
+    train: PRNGKey
+    evaluate: PRNGKey
+    render: PRNGKey
+
+
+def seed_keys(config: Config) -> SeedKeys:
+    """Seed i of a vmapped run is the run of --seed (seed + i) alone."""
+    seeds = config.seed + jnp.arange(config.num_seeds)
+    keys = jax.vmap(lambda seed: jax.random.split(jax.random.key(seed), 3))(seeds)
+    return SeedKeys(train=keys[:, 0], evaluate=keys[:, 1], render=keys[:, 2])
+
+
+def stop_on_ctrl_c() -> threading.Event:
+    """The first Ctrl-C asks the training loop to stop after the chunk in progress; a second one
+    aborts at once."""
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("\nCtrl-C: stopping after this chunk (press again to abort)", flush=True)
+
+    signal.signal(signal.SIGINT, request_stop)
+    return stop
+
+
+def train_and_log(config: Config, sharding: NamedSharding, out: Path, keys: PRNGKey):
+    """The CLI's training: the jitted, vmapped run_chunk once per chunk with the state donated
+    (the replay buffer is updated in place), a progress line and the metrics rows in between.
+    Returns (final state, rows, summary); exits on a non-finite value."""
+    init, run_chunk, _ = make_train(config)
+    iterations_per_chunk, num_chunks = chunk_sizes(config)
     state_shape = jax.eval_shape(jax.vmap(init), keys)
-    buffer_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state_shape.buffer)) / 2**20
+    state_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state_shape)) / 2**20
+    devices = sharding.mesh.devices.flat
     print(
-        f"{SCRIPT}: {config.env_id}, {config.num_seeds} seed(s) x {config.num_envs} envs on {sharding.mesh.size} "
-        f"device(s) {sharding.mesh.devices.tolist()}, replay buffer {buffer_mb / config.num_seeds:.1f} MB per seed",
+        f"{SCRIPT}: {env_name(config)}, {config.num_seeds} seed(s) x {config.num_envs} envs on "
+        f"{sharding.mesh.size} device(s) ({devices[0].device_kind}), {num_chunks} chunks of "
+        f"{iterations_per_chunk} iterations; train state {state_mb / config.num_seeds:.1f} MB "
+        f"per seed",
         flush=True,
     )
-    # init compiles on a second thread beside the chunk function, the evaluation while the chunks run.
-    start, pool = time.perf_counter(), ThreadPoolExecutor(2)
-    init = pool.submit(
-        jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding).lower(keys).compile
-    )
-    # The state is donated: the chunk updates the buffer in place instead of copying it.
-    run_chunk = jax.jit(
+    start = time.perf_counter()
+    # init compiles on a second thread beside the chunk function (XLA compiles on one core).
+    init_fn = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding)
+    init_compiling = ThreadPoolExecutor(1).submit(init_fn.lower(keys).compile)
+    replicated = NamedSharding(sharding.mesh, PartitionSpec())
+    chunk_fn = jax.jit(
         jax.vmap(run_chunk, in_axes=(0, None)),
-        donate_argnums=0,
+        in_shardings=(sharding, replicated),
         out_shardings=sharding,
-        in_shardings=(sharding, NamedSharding(sharding.mesh, PartitionSpec())),
+        donate_argnums=0,
     )
-    run_chunk, init = run_chunk.lower(state_shape, jnp.int32(0)).compile(), init.result()
+    chunk_fn = chunk_fn.lower(state_shape, jnp.int32(0)).compile()
+    state = init_compiling.result()(keys)
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
-    evaluate = pool.submit(evaluate.lower(state_shape.learner.actor_params, eval_keys).compile)
 
-    stop = threading.Event()  # set by Ctrl-C: the loop ends after the chunk in progress
-    previous_handler = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
-    state, rows, done_updates, chunk_steps = (
-        init(keys),
-        [],
-        0,
-        iterations_per_chunk * config.num_envs,
-    )
-    start = last = time.perf_counter()
+    stop = stop_on_ctrl_c()
+    waiter = ThreadPoolExecutor(1)
+    rows: list[dict] = []
+    steps = 0
+    updates = 0
+    start = time.perf_counter()
+    last = start
     for chunk in range(num_chunks):
-        state, metrics = run_chunk(state, jnp.int32(chunk))
-        metrics = jax.device_get(metrics)  # waits for the chunk; a few numbers per seed
+        state, metrics = chunk_fn(state, jnp.int32(chunk))
+        # Waits for the chunk (a few numbers per seed come back) in a thread: Ctrl-C is heard now.
+        metrics = waiter.submit(jax.device_get, metrics).result()
         now = time.perf_counter()
-        elapsed, seconds, last = now - start, now - last, now
-        steps, updates, losses = (
-            int(metrics.env_steps[0]),
-            int(metrics.updates[0]),
-            metrics.losses.__dict__,
+        elapsed = now - start
+        sps = (int(metrics.env_steps[0]) - steps) / (now - last)
+        updates_per_second = (int(metrics.updates[0]) - updates) / (now - last)
+        did_update = int(metrics.updates[0]) > updates
+        steps = int(metrics.env_steps[0])
+        updates = int(metrics.updates[0])
+        last = now
+        for i in range(config.num_seeds):
+            row = {name: float(getattr(metrics, name)[i]) for name in METRIC_COLUMNS}
+            rows.append(
+                {
+                    "seed": config.seed + i,
+                    "env_steps": steps,
+                    "updates": updates,
+                    "wall_seconds": round(elapsed, 3),
+                    "sps": round(sps, 1),
+                    **row,
+                }
+            )
+        write_csv(out / "metrics.csv", rows)  # every row so far: valid whenever the run stops
+        returns = metrics.episode_return
+        shown = "-" if np.isnan(returns).all() else f"{np.nanmean(returns):.1f}"
+        if config.num_seeds > 1 and not np.isnan(returns).all():
+            shown += f" ± {np.nanstd(returns):.1f} (min {np.nanmin(returns):.1f})"
+        others = " ".join(
+            f"{name} {np.mean(getattr(metrics, name)):.3g}" for name in PROGRESS_COLUMNS
         )
-        rows += [
-            {
-                "seed": config.seed + i,
-                "env_steps": steps,
-                "updates": updates,
-                "wall_seconds": round(elapsed, 3),
-                "sps": round(chunk_steps / seconds, 1),
-                "episode_return": float(metrics.episode_return[i]),
-                "episode_length": float(metrics.episode_length[i]),
-                **{name: float(values[i]) for name, values in losses.items()},
-            }
-            for i in range(config.num_seeds)
-        ]
-        table = "\n".join(
-            [",".join(CSV_COLUMNS)] + [",".join(str(row[c]) for c in CSV_COLUMNS) for row in rows]
-        )
-        write_atomic(out / "metrics.csv", lambda temporary: temporary.write_text(table + "\n"))  # noqa: B023 (called now)
-        returns = metrics.episode_return  # "-" for a chunk in which no episode ended
-        shown = (
-            "-"
-            if np.isnan(returns).any()
-            else f"{returns.mean():.1f}" + f" ± {returns.std():.1f}" * (config.num_seeds > 1)
-        )
+        eta = elapsed / (chunk + 1) * (num_chunks - chunk - 1)
+        total_steps = steps // (chunk + 1) * num_chunks  # every chunk has as many steps
         print(
-            f"steps {steps:,}/{num_chunks * chunk_steps:,} ({(chunk + 1) / num_chunks:.0%}) | SPS "
-            f"{chunk_steps / seconds:,.0f} | updates/s {(updates - done_updates) / seconds:,.0f} | return {shown} | "
-            f"critic {losses['critic_loss'].mean():.3f} actor {losses['actor_loss'].mean():.3f} alpha "
-            f"{losses['alpha'].mean():.3f} | {elapsed:.1f} s, ETA {elapsed * (num_chunks / (chunk + 1) - 1):.1f} s",
+            f"steps {steps:,}/{total_steps:,} ({steps / total_steps:.0%}) | SPS {sps:,.0f} | "
+            f"updates/s {updates_per_second:,.0f} | return {shown} | {others} | "
+            f"{elapsed:.1f} s, ETA {eta:.1f} s",
             flush=True,
         )
-        faults = [
-            (i, name)
-            for name, values in losses.items()
-            for i in range(config.num_seeds)
-            if updates > done_updates and not np.isfinite(values[i])
-        ]
-        faults += [
-            (i, "parameter") for i in range(config.num_seeds) if not metrics.params_finite[i]
-        ]
-        if faults:
-            print(
-                f"{SCRIPT}: non-finite {faults[0][1]} in chunk {chunk + 1}, seed {config.seed + faults[0][0]}; "
-                f"stopped (the files in {out} hold the chunks so far)",
-                file=sys.stderr,
-            )
-            sys.exit(1)
-        done_updates = updates
+        finite = {"parameter": metrics.params_finite}
+        if did_update:
+            finite |= {name: np.isfinite(getattr(metrics, name)) for name in LOSS_COLUMNS}
+        for name, ok in finite.items():
+            if not ok.all():
+                seed = config.seed + int(np.argmin(ok))
+                print(
+                    f"{SCRIPT}: non-finite {name} in chunk {chunk + 1}, seed {seed}; stopped (the "
+                    f"files in {out} hold the chunks so far)",
+                    file=sys.stderr,
+                )
+                sys.exit(1)
         if stop.is_set():
-            print("Ctrl-C: stopping after this chunk", flush=True)
             break
-    signal.signal(signal.SIGINT, previous_handler)
-    seconds, steps = time.perf_counter() - start, int(state.env_steps[0])
-    return (
-        state,
-        rows,
-        {
-            "train_seconds": seconds,
-            "compile_seconds": compile_seconds,
-            "env_steps": steps,
-            "updates": done_updates,
-            "env_steps_per_second": steps / seconds,
-            "updates_per_second": done_updates / seconds,
-        },
-        evaluate.result(),
-    )
+    train_seconds = time.perf_counter() - start
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    summary = {
+        "train_seconds": train_seconds,
+        "compile_seconds": compile_seconds,
+        "env_steps": steps,
+        "updates": updates,
+        "env_steps_per_second": steps / train_seconds,
+        "updates_per_second": updates / train_seconds,
+        "stopped_early": stop.is_set(),
+    }
+    return state, rows, summary
 
 
 def main(config: Config) -> None:
+    compile_cache = enable_compile_cache(config)  # before anything starts JAX's backend
     try:
         validate(config)
-        config, actor_params = load_checkpoint(config) if config.eval_only else (config, None)
+        params = None
+        if config.eval_only:
+            config, params = load_checkpoint(config)
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
+    print(f"compile cache: {compile_cache}", flush=True)
     devices = jax.devices()
-    sharding = NamedSharding(
-        Mesh(np.array(devices), ("seeds",)), PartitionSpec("seeds")
-    )  # seeds over devices
+    sharding = NamedSharding(Mesh(np.array(devices), ("seeds",)), PartitionSpec("seeds"))
     out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
-    write_json = lambda name, values: write_atomic(  # noqa: E731
-        out / name, lambda temporary: temporary.write_text(json.dumps(values, indent=2) + "\n")
-    )
-    write_json("config.json", dataclasses.asdict(config))
-    eval_keys = jax.device_put(
-        jax.vmap(lambda key: jax.random.fold_in(key, 1))(seed_keys(config)), sharding
-    )
+    write_json(out / "config.json", dataclasses.asdict(config))
+    keys = jax.device_put(seed_keys(config), sharding)
     evaluate = jax.jit(
-        jax.vmap(make_evaluate(config)), in_shardings=sharding
-    )  # keys apart from training's
+        jax.vmap(make_evaluate(config)), in_shardings=sharding, out_shardings=sharding
+    )
+    summary: dict[str, Any] = {"eval_only": config.eval_only, "stopped_early": False}
     if config.eval_only:
-        summary = {"eval_only": True, "load_model": config.load_model}
+        print(f"{SCRIPT}: evaluating {config.num_seeds} seed(s) of {config.load_model}", flush=True)
+        params = jax.device_put(params, sharding)
     else:
-        state, rows, summary, evaluate = train_and_log(config, sharding, out, evaluate, eval_keys)
-        actor_params = state.learner.actor_params
-    returns, upright, episodes = jax.device_get(evaluate(actor_params, eval_keys))
+        # The evaluation compiles on a second thread while the chunks run.
+        init = make_train(config)[0]
+        params_shape = jax.eval_shape(jax.vmap(lambda key: trained_params(init(key))), keys.train)
+        evaluate = ThreadPoolExecutor(1).submit(evaluate.lower(params_shape, keys.evaluate).compile)
+        state, rows, train_summary = train_and_log(config, sharding, out, keys.train)
+        evaluate = evaluate.result()
+        params = trained_params(state)
+        summary |= train_summary
+        if config.save_model:
+            save_checkpoint(out / "model.msgpack", config, params)
+        if config.plot:
+            plot_curves(out / "curves.png", config, rows)
+    evaluation = jax.device_get(evaluate(params, keys.evaluate))
+    per_seed = {name: np.asarray(values).mean(axis=1) for name, values in evaluation.items()}
+    returns = per_seed["episode_return"]
+    solved = int((returns >= SOLVED_RETURN).sum())
+    extras = {name: values for name, values in per_seed.items() if name != "episode_return"}
+    others = "".join(f", {name} {values.mean():.3g}" for name, values in extras.items())
     print(
-        f"evaluation, {config.eval_episodes} deterministic episodes per seed: mean return "
-        + ", ".join(f"{r:.1f}" for r in returns)
-        + ", upright through the second half "
-        + ", ".join(f"{u:.0%}" for u in upright),
+        f"evaluation, {config.eval_episodes} deterministic episodes per seed: return "
+        f"{returns.mean():.1f} ± {returns.std():.1f} (min {returns.min():.1f}); {solved}/"
+        f"{config.num_seeds} seed(s) >= {SOLVED_RETURN:g}{others}",
         flush=True,
     )
-    write_json(
-        "summary.json",
-        {
-            "final_returns": returns.tolist(),
-            "final_return_mean": float(returns.mean()),
-            "final_return_std": float(returns.std()),
-            "final_upright_fractions": upright.tolist(),
-            **summary,
-            "num_seeds": config.num_seeds,
-            "num_envs": config.num_envs,
-            "eval_episodes": config.eval_episodes,
-            "device": f"{len(devices)} x {devices[0].device_kind}",
-        },
-    )
-    if config.save_model:
-        save_checkpoint(out / "model.msgpack", config, state.learner)
-    if config.plot:
-        plot_curves(out / "curves.png", rows, config.num_seeds, config.env_id)
+    summary = {
+        "final_returns": returns.tolist(),
+        "final_return_mean": float(returns.mean()),
+        "final_return_std": float(returns.std()),
+        "solved_fraction": solved / config.num_seeds,
+        **{f"final_{name}": values.tolist() for name, values in extras.items()},
+        **{f"final_{name}_mean": float(values.mean()) for name, values in extras.items()},
+        **summary,
+        "num_seeds": config.num_seeds,
+        "num_envs": config.num_envs,
+        "eval_episodes": config.eval_episodes,
+        "device": f"{len(devices)} x {devices[0].device_kind}",
+    }
+    write_json(out / "summary.json", summary)
     if config.capture_gif:
-        write_gif(
-            out / "policy.gif", config, jax.tree.map(lambda x: x[0], episodes)
-        )  # the first seed's
-    print(f"outputs in {out}")
+        render, seconds_per_frame = make_render(config)
+        first_seed = jax.tree.map(lambda x: x[0], params)
+        frames = jax.jit(render)(first_seed, keys.render[0])
+        write_gif(out / "policy.gif", np.asarray(frames), seconds_per_frame)
+    print(f"wrote {', '.join(sorted(path.name for path in out.iterdir()))} in {out}", flush=True)
+    if summary["stopped_early"]:
+        sys.exit(130)  # interrupted, as a shell expects after Ctrl-C
+
+
+def parse_config(args: Sequence[str] | None = None) -> Config:
+    """tyro over the defaults of the task that --env-id names (so --help lists those)."""
+    args = sys.argv[1:] if args is None else list(args)
+    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --env-id alone
+    peek.add_argument("--env-id", "--env_id", default="CartPoleContinuous", nargs="?")
+    env_id = peek.parse_known_args(args)[0].env_id
+    default = default_config(env_id)
+    return tyro.cli(Config, args=args, default=default, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

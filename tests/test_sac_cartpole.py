@@ -1,7 +1,8 @@
 """Tests of sac_cartpole.py: the per-task defaults, bootstrapping (terminations stop it, the time
-limit does not), the upright count of the evaluation, seeds under vmap, the CLI contract (in
-subprocesses) and, marked slow, that a short run learns to balance. The buffer and the losses
-are sac_pendulum.py's and are tested there."""
+limit does not), the upright count of the evaluation, the GIF, seeds under vmap, independent
+evaluation keys, the CLI contract (in process and in subprocesses) and, marked slow, that the
+default config learns to balance. The buffer, the losses and the tanh-Gaussian are
+sac_pendulum.py's and are tested there."""
 
 import csv
 import dataclasses
@@ -23,8 +24,8 @@ import pytest
 import sac_cartpole as sac
 
 SCRIPT = Path(__file__).resolve().parents[1] / "sac_cartpole.py"
-# A run small enough to compile and train in seconds, with several chunks and real updates: swing-up
-# on a 3 cm track with 8-step episodes, so that both kinds of episode end happen within it.
+# A run small enough to compile and train in seconds, with several chunks and real updates:
+# swing-up on a 3 cm track with 8-step episodes, so that both kinds of episode end happen in it.
 TINY = sac.Config(
     env_id="CartPoleSwingup",
     num_envs=4,
@@ -70,12 +71,11 @@ def test_each_task_has_its_defaults_and_flags_override_them():
     assert sac.parse_config([]) == sac.Config() == sac.default_config("CartPoleContinuous")
     swingup = sac.default_config("CartPoleSwingup")
     assert swingup.env_id == "CartPoleSwingup"
-    assert swingup != dataclasses.replace(
-        sac.Config(), env_id="CartPoleSwingup"
-    )  # its own defaults
+    assert swingup != dataclasses.replace(sac.Config(), env_id="CartPoleSwingup")  # its own
     for flags in [
         ["--gamma", "0.9", "--env-id", "CartPoleSwingup"],
         ["--env_id=CartPoleSwingup", "--gamma", "0.9"],
+        ["--env-id=CartPoleSwingup", "--gamma", "0.9"],
     ]:
         assert sac.parse_config(flags) == dataclasses.replace(swingup, gamma=0.9)
     assert sac.parse_config(["--env.force-mag", "20"]).env == sac.EnvConfig(force_mag=20.0)
@@ -85,8 +85,8 @@ def test_each_task_has_its_defaults_and_flags_override_them():
 
 
 def test_td_target_by_hand():
-    # reward 1 twice: the first transition terminated (its target is the reward alone); the second
-    # did not, whether or not the time limit cut it (stored terminated = 0: it bootstraps)
+    # reward 1 twice: the first transition terminated (its target is the reward alone); the
+    # second did not, whether or not the time limit cut it (stored terminated = 0: it bootstraps)
     batch = sac.Transition(
         obs=jnp.zeros((2, 4)),
         action=jnp.zeros((2, 1)),
@@ -105,7 +105,7 @@ def test_td_target_by_hand():
 def two_seed_run():
     config = dataclasses.replace(TINY, seed=3, num_seeds=2)
     _, _, train = sac.make_train(config)
-    return config, train, jax.jit(jax.vmap(train))(sac.seed_keys(config))
+    return config, train, jax.jit(jax.vmap(train))(sac.seed_keys(config).train)
 
 
 def test_stored_episode_ends_terminate_only_off_the_track(two_seed_run):
@@ -117,9 +117,7 @@ def test_stored_episode_ends_terminate_only_off_the_track(two_seed_run):
     data = jax.tree.map(
         lambda x: np.asarray(x[0]).reshape(-1, TINY.num_envs, *x.shape[2:]), state.buffer.data
     )
-    assert (
-        int(state.buffer.size[0]) == TINY.total_timesteps == TINY.buffer_size
-    )  # all of them, in order
+    assert int(state.buffer.size[0]) == TINY.total_timesteps == TINY.buffer_size  # all, in order
     off_track = np.abs(data.next_obs[..., 0]) > TINY.env.x_threshold
     np.testing.assert_array_equal(data.terminated, off_track.astype(np.float32))
     np.testing.assert_allclose(
@@ -128,62 +126,98 @@ def test_stored_episode_ends_terminate_only_off_the_track(two_seed_run):
         rtol=1e-5,
         atol=1e-6,
     )
-    ends = ~np.all(
-        data.next_obs[:-1] == data.obs[1:], axis=-1
-    )  # [step, env]: a new episode follows
+    ends = ~np.all(data.next_obs[:-1] == data.obs[1:], axis=-1)  # [step, env]: a new episode
     counts = {"terminated": 0, "time limit": 0}
     for env in range(TINY.num_envs):
         length = 0
         for step in range(len(ends)):
             length += 1
             terminated = bool(data.terminated[step, env])
-            assert ends[step, env] == (terminated or length == TINY.env.max_steps_in_episode), (
-                step,
-                env,
-            )
+            time_limit = length == TINY.env.max_steps_in_episode
+            assert ends[step, env] == (terminated or time_limit), (step, env)
             if ends[step, env]:
                 counts["terminated" if terminated else "time limit"] += 1
                 length = 0
     assert min(counts.values()) >= 3, counts
 
 
-# ---- seeds ----
+# ---- seeds and keys ----
 
 
 def test_vmapped_seed_equals_single_run_and_seeds_differ(two_seed_run):
     config, train, (state, metrics) = two_seed_run
-    assert metrics.episode_return.shape == (2, sac.chunk_counts(config)[1])
-    assert (
-        int(state.learner.updates[0])
-        == (TINY.total_timesteps - TINY.learning_starts) // TINY.num_envs
-    )
-    single_state, single_metrics = jax.jit(train)(jax.random.key(4))  # seed 3 + 1 alone
+    assert metrics.episode_return.shape == (2, sac.chunk_sizes(config)[1])
+    updates = (TINY.total_timesteps - TINY.learning_starts) // TINY.num_envs
+    assert int(state.learner.updates[0]) == updates
+    alone = dataclasses.replace(config, seed=4, num_seeds=1)  # seed 3 + 1 alone
+    single_state, single_metrics = jax.jit(train)(sac.seed_keys(alone).train[0])
     chex.assert_trees_all_close(
         jax.tree.map(lambda x: x[1], state.learner.actor_params),
         single_state.learner.actor_params,
         rtol=1e-4,
         atol=1e-5,
     )
-    np.testing.assert_allclose(
-        metrics.losses.critic_loss[1], single_metrics.losses.critic_loss, rtol=1e-3
-    )
-    first, second = (
-        jax.tree.map(lambda x: x[0], state.learner.actor_params),
-        single_state.learner.actor_params,
-    )
+    np.testing.assert_allclose(metrics.critic_loss[1], single_metrics.critic_loss, rtol=1e-3)
+    first = jax.tree.map(lambda x: x[0], state.learner.actor_params)
+    second = single_state.learner.actor_params
     assert not np.allclose(
         jax.flatten_util.ravel_pytree(first)[0], jax.flatten_util.ravel_pytree(second)[0]
     )
 
 
-# ---- evaluation: return and upright fraction ----
+def test_cli_chunk_loop_equals_train(two_seed_run):
+    """The CLI's path (init, then run_chunk from Python) is the same computation as train."""
+    config, _, (state, metrics) = two_seed_run
+    init, run_chunk, _ = sac.make_train(config)
+    loop_state = jax.jit(jax.vmap(init))(sac.seed_keys(config).train)
+    chunk = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)))
+    for index in range(sac.chunk_sizes(config)[1]):
+        loop_state, loop_metrics = chunk(loop_state, index)
+    chex.assert_trees_all_close(
+        loop_state.learner.actor_params, state.learner.actor_params, rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        loop_metrics.critic_loss, metrics.critic_loss[:, -1], rtol=1e-4, atol=1e-6
+    )
+
+
+def test_evaluation_and_gif_start_from_other_states_than_training():
+    """White-box: the first reset states of training (init), of the evaluation and of the GIF,
+    each derived as the script derives them from seed_keys, share no state."""
+    config = dataclasses.replace(sac.Config(), num_envs=16, eval_episodes=16)
+    env, env_params = sac.make_env(config)
+    keys = sac.seed_keys(config)
+    init, _, _ = sac.make_train(config)
+    training = init(keys.train[0]).obs
+
+    def first_states(key, count):  # make_evaluate's and make_render's first split
+        reset_keys = jax.random.split(jax.random.split(key)[0], count)
+        return jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0]
+
+    evaluation = first_states(keys.evaluate[0], config.eval_episodes)
+    gif = first_states(keys.render[0], sac.GIF_ENVS)
+    states = np.concatenate([training, evaluation, gif])
+    assert len(np.unique(states, axis=0)) == len(states)
+    key_data = [jax.random.key_data(key[0]) for key in (keys.train, keys.evaluate, keys.render)]
+    assert len(np.unique(np.stack(key_data), axis=0)) == 3  # three keys, not one reused
+
+
+# ---- evaluation: return and upright fraction; the GIF ----
+
+
+def no_force_params(config: sac.Config) -> dict:
+    """An actor whose every parameter is 0: its mean action is tanh(0) = 0, no force."""
+    env, env_params = sac.make_env(config)
+    obs = jnp.zeros((1, env.observation_space(env_params).shape[0]))
+    actor = sac.Actor(config.hidden_sizes, 1).init(jax.random.key(0), obs)
+    return {"actor": jax.tree.map(jnp.zeros_like, actor)}
 
 
 @pytest.mark.parametrize(
     "env_id, steps, expected_upright",
     [
-        # Balance without force: from at most 0.05 rad the pole needs about half a second to pass 12
-        # degrees, so 10-step episodes end upright, and these 100-step ones all fall before the end.
+        # Balance without force: from at most 0.05 rad the pole needs about half a second to pass
+        # 12 degrees, so 10-step episodes end upright, and 100-step ones all fall before the end.
         ("CartPoleContinuous", 10, 1.0),
         ("CartPoleContinuous", 100, 0.0),
         # Swing-up without force: the pole hangs down the whole episode.
@@ -196,26 +230,77 @@ def test_evaluation_counts_episodes_upright_through_the_second_half(
     config = dataclasses.replace(
         TINY, env_id=env_id, eval_episodes=8, env=sac.EnvConfig(max_steps_in_episode=steps)
     )
-    setup = sac.make_setup(config)
-    no_force = jax.tree.map(
-        jnp.zeros_like,
-        sac.init_params(setup.actor, jax.random.key(0), jnp.zeros((1, setup.obs_dim))),
-    )  # tanh(0) = 0
-    mean_return, upright_fraction, states = jax.jit(sac.make_evaluate(config))(
-        no_force, jax.random.key(3)
-    )
-    assert float(upright_fraction) == expected_upright
-    assert jax.tree.leaves(states)[0].shape[:2] == (steps, sac.GIF_ENVS)
+    evaluation = jax.jit(sac.make_evaluate(config))(no_force_params(config), jax.random.key(3))
+    assert set(evaluation) == {"episode_return", "upright"}
+    np.testing.assert_array_equal(evaluation["upright"], np.full(8, expected_upright))
     if env_id == "CartPoleContinuous":  # 1 per step until the pole falls
-        assert (float(mean_return) == steps) == (expected_upright == 1.0)
-        theta = np.asarray(states.theta)
-        fell = np.argmax(np.abs(theta) > config.env.theta_threshold_radians, axis=0)
-        for env, step in enumerate(fell):  # the GIF's state stays where a fallen episode ended
-            if step:
-                np.testing.assert_array_equal(theta[step:, env], theta[step, env])
+        full = np.asarray(evaluation["episode_return"]) == steps
+        np.testing.assert_array_equal(full, np.full(8, expected_upright == 1.0))
 
 
-# ---- the command line contract (subprocesses) ----
+def test_gif_shows_every_second_step_and_holds_an_ended_episode():
+    """Balance without force for 100 steps: every pole falls; 4 carts side by side, 50 frames,
+    and the last frames are identical (each episode held where it ended)."""
+    config = dataclasses.replace(
+        TINY, env_id="CartPoleContinuous", env=sac.EnvConfig(max_steps_in_episode=100)
+    )
+    render, seconds_per_frame = sac.make_render(config)
+    frames = np.asarray(jax.jit(render)(no_force_params(config), jax.random.key(0)))
+    assert frames.shape == (50, 120, 4 * 180, 3) and frames.dtype == np.uint8
+    assert seconds_per_frame == pytest.approx(2 * config.env.tau)
+    assert not np.array_equal(frames[0], frames[-1])
+    np.testing.assert_array_equal(frames[-2], frames[-1])
+
+
+# ---- the command line contract ----
+
+
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--gamma", "1.5"], "--gamma"),
+        (["--env.masspole", "0"], "--env.masspole"),
+        (["--batch-size", "2048", "--buffer-size", "1024"], "--batch-size"),
+        (["--total-timesteps", "10"], "--total-timesteps"),
+        (["--env-id", "CartPoleSwingup", "--learning-starts", "9000000"], "--learning-starts"),
+        (["--eval-only"], "--load-model"),
+        (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, monkeypatch):
+    """In process: main validates before anything is compiled."""
+    monkeypatch.setattr(sac.jax, "jit", None)  # nothing may be compiled on the way to the error
+    with pytest.raises(SystemExit) as exit_:
+        sac.main(sac.parse_config([*flags, "--no-compile-cache"]))  # leaves jax.config alone
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err
+    assert len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--no-such-flag", "3"], "--no-such-flag"),
+        (["--num-envz", "3"], "--num-envs"),  # tyro's "Perhaps you meant"
+        (["--num-envs", "many"], "--num-envs"),
+        (["--env-id", "CartPole-v1"], "--env-id"),
+        (["--env.no-such-option", "1"], "--env.no-such-option"),
+    ],
+)
+def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        sac.parse_config(flags)
+    assert exit_.value.code == 2
+    assert name in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """The subprocesses share one fresh compile cache: a later run loads what an earlier one
+    compiled (the suite's time), and no run reads the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
+        yield
 
 
 def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
@@ -242,6 +327,7 @@ def test_help_lists_every_option_with_the_task_defaults():
         "--updates-per-step",
         "--max-grad-norm",
         "--no-capture-gif",
+        "--no-compile-cache",
         "--eval-only",
         "--env.force-mag",
         "--env.x-threshold",
@@ -253,30 +339,18 @@ def test_help_lists_every_option_with_the_task_defaults():
 
     swingup = run("--env-id", "CartPoleSwingup", "--help")
     assert default_total_timesteps(result.stdout) == sac.Config().total_timesteps
-    assert (
-        default_total_timesteps(swingup.stdout)
-        == sac.default_config("CartPoleSwingup").total_timesteps
+    swingup_steps = sac.default_config("CartPoleSwingup").total_timesteps
+    assert default_total_timesteps(swingup.stdout) == swingup_steps
+
+
+def test_bad_flags_from_the_command_line():
+    result = run("--tau", "2")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "sac_cartpole.py: error: --tau must be in (0, 1], got 2.0"
     )
-
-
-@pytest.mark.parametrize(
-    "flags, names",
-    [
-        (["--gamma", "1.5"], "--gamma"),
-        (["--env.masspole", "0"], "--env.masspole"),
-        (["--env-id", "CartPole-v1"], "--env-id"),
-        (
-            ["--env-id", "CartPole-v1"],
-            "'CartPoleSwingup')",
-        ),  # tyro's message wraps: the whole of it, on one line
-        (["--eval-only"], "--load-model"),
-    ],
-)
-def test_bad_flags_exit_2_with_one_line(flags, names):
-    result = run(*flags)
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert names in result.stderr and "Traceback" not in result.stderr
+    result = run("--no-such-flag")
+    assert result.returncode == 2 and "--no-such-flag" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -289,11 +363,9 @@ def finished_run(tmp_path_factory):
 
 def test_run_writes_every_output(finished_run):
     out, result = finished_run
-    assert (
-        "replay buffer" in result.stdout
-        and "compiled in" in result.stdout
-        and "SPS" in result.stdout
-    )
+    assert result.stdout.startswith("compile cache: ")
+    assert "train state" in result.stdout and "compiled in" in result.stdout
+    assert "SPS" in result.stdout and "upright" in result.stdout
     for name in [
         "config.json",
         "metrics.csv",
@@ -306,17 +378,15 @@ def test_run_writes_every_output(finished_run):
     assert not list(out.glob(".*tmp*"))  # no temporary files left behind
     assert json.loads((out / "config.json").read_text())["env_id"] == "CartPoleSwingup"
     rows = list(csv.DictReader((out / "metrics.csv").open()))
-    assert list(rows[0]) == sac.CSV_COLUMNS
-    assert len(rows) == 2 * sac.chunk_counts(TINY)[1] and {row["seed"] for row in rows} == {
-        "5",
-        "6",
-    }
+    assert tuple(rows[0]) == sac.CSV_COLUMNS
+    assert len(rows) == 2 * sac.chunk_sizes(TINY)[1]
+    assert {row["seed"] for row in rows} == {"5", "6"}
     summary = json.loads((out / "summary.json").read_text())
     for key in [
         "final_returns",
         "final_return_mean",
         "final_return_std",
-        "final_upright_fractions",
+        "final_upright_mean",
         "train_seconds",
         "compile_seconds",
         "env_steps_per_second",
@@ -326,67 +396,80 @@ def test_run_writes_every_output(finished_run):
         "device",
     ]:
         assert key in summary, key
-    assert len(summary["final_returns"]) == len(summary["final_upright_fractions"]) == 2
+    assert len(summary["final_returns"]) == 2 and summary["updates_per_second"] > 0
 
 
-def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path):
-    """The checkpoint brings its env settings, network and seeds; --env-id must name its task."""
+def test_same_seed_gives_identical_metrics(finished_run, tmp_path):
     out, _ = finished_run
-    result = run(
-        "--env-id",
-        "CartPoleSwingup",
-        "--eval-only",
-        "--load-model",
-        str(out / "model.msgpack"),
-        "--eval-episodes",
-        "4",
-        "--output-dir",
-        str(tmp_path),
-    )
+    no_outputs = ["--no-plot", "--no-capture-gif", "--no-save-model"]
+    flags = [*TINY_FLAGS, "--num-seeds", "2", "--seed", "5", *no_outputs]
+    result = run(*flags, "--output-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    saved, reproduced = (
-        json.loads((path / "summary.json").read_text()) for path in [out, tmp_path]
-    )
-    for key in ["final_returns", "final_upright_fractions"]:
-        assert reproduced[key] == saved[key], key
-    assert (tmp_path / "policy.gif").stat().st_size > 0 and not (
-        tmp_path / "model.msgpack"
-    ).exists()
+
+    def without_timing(path: Path) -> list[dict]:
+        rows = csv.DictReader(path.open())
+        return [{k: v for k, v in row.items() if k not in ("wall_seconds", "sps")} for row in rows]
+
+    assert without_timing(out / "metrics.csv") == without_timing(tmp_path / "metrics.csv")
 
 
-def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
+@pytest.mark.parametrize("task_flags", [[], ["--env-id", "CartPoleSwingup"]])
+def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path, task_flags):
+    """The checkpoint brings its task, env settings, network and seeds; --env-id may name its
+    task or be left out."""
     out, _ = finished_run
-    payload = flax.serialization.msgpack_restore((out / "model.msgpack").read_bytes())
+    model = str(out / "model.msgpack")
+    flags = ["--eval-only", "--load-model", model, "--eval-episodes", "4"]
+    result = run(*task_flags, *flags, "--output-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((out / "summary.json").read_text())
+    reproduced = json.loads((tmp_path / "summary.json").read_text())
+    for key in ["final_returns", "final_upright_mean"]:
+        assert reproduced[key] == saved[key], key
+    assert (tmp_path / "policy.gif").stat().st_size > 0
+    assert not (tmp_path / "model.msgpack").exists()
+
+
+def test_eval_only_refuses_other_checkpoints_and_overridden_flags(
+    finished_run, tmp_path, capsys, monkeypatch
+):
+    """In process: refused in one line before anything is compiled, the file's bytes unshown."""
+    out, _ = finished_run
+    model = out / "model.msgpack"
+    payload = flax.serialization.msgpack_restore(model.read_bytes())
     other = tmp_path / "other.msgpack"
-    foreign = {**payload, "script": "sac_pendulum", "env_id": "Pendulum-v1", "config": "{}"}
+    foreign = {**payload, "script": "sac_pendulum", "env": "Pendulum-v1"}
     other.write_bytes(flax.serialization.msgpack_serialize(foreign))
+    balance = tmp_path / "balance.msgpack"
+    balance_config = {**json.loads(payload["config"]), "env_id": "CartPoleContinuous"}
+    balance_payload = {**payload, "env": "CartPoleContinuous", "config": json.dumps(balance_config)}
+    balance.write_bytes(flax.serialization.msgpack_serialize(balance_payload))
+    garbage = tmp_path / "garbage.msgpack"
+    garbage.write_bytes(b"not a checkpoint, SECRET " * 50)
+    monkeypatch.setattr(sac.jax, "jit", None)
     for flags, expected in [
         (["--load-model", str(other)], "sac_pendulum checkpoint for Pendulum-v1"),
-        (["--load-model", str(out / "model.msgpack")], "checkpoint for CartPoleSwingup"),
+        (["--load-model", str(garbage)], "is not a model.msgpack"),
+        (["--load-model", str(model), "--hidden-sizes", "64", "64"], "--hidden-sizes"),
+        (
+            ["--load-model", str(model), "--env.force-mag", "20"],
+            "--env.force-mag is set by the checkpoint",
+        ),
+        (["--load-model", str(balance), "--env-id", "CartPoleSwingup"], "--env-id"),
     ]:
-        result = run(
-            "--eval-only", *flags
-        )  # the second: a swing-up checkpoint, evaluated as balance
-        assert result.returncode == 2 and expected in result.stderr, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
+        with pytest.raises(SystemExit) as exit_:
+            sac.main(sac.parse_config(["--eval-only", *flags, "--no-compile-cache"]))
+        stderr = capsys.readouterr().err
+        assert exit_.value.code == 2 and expected in stderr, stderr
+        assert len(stderr.strip().splitlines()) == 1 and "SECRET" not in stderr
 
 
 def test_two_devices_shard_the_seeds(finished_run, tmp_path):
     out, _ = finished_run
     two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    result = run(
-        *TINY_FLAGS,
-        "--num-seeds",
-        "2",
-        "--seed",
-        "5",
-        "--output-dir",
-        str(tmp_path),
-        "--no-plot",
-        "--no-capture-gif",
-        "--no-save-model",
-        env=two_devices,
-    )
+    no_outputs = ["--no-plot", "--no-capture-gif", "--no-save-model"]
+    flags = [*TINY_FLAGS, "--num-seeds", "2", "--seed", "5", *no_outputs]
+    result = run(*flags, "--output-dir", str(tmp_path), env=two_devices)
     assert result.returncode == 0, result.stderr
     assert "on 2 device(s)" in result.stdout
     one = [float(row["critic_loss"]) for row in csv.DictReader((out / "metrics.csv").open())]
@@ -394,6 +477,15 @@ def test_two_devices_shard_the_seeds(finished_run, tmp_path):
     np.testing.assert_allclose(two, one, rtol=1e-3)
     odd = run(*TINY_FLAGS, "--num-seeds", "3", env=two_devices)
     assert odd.returncode == 2 and "--num-seeds" in odd.stderr
+
+
+def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path):
+    no_outputs = ["--no-plot", "--no-capture-gif"]
+    result = run(*TINY_FLAGS, "--learning-rate", "1e30", "--output-dir", str(tmp_path), *no_outputs)
+    assert result.returncode == 1
+    assert "non-finite" in result.stderr and "chunk" in result.stderr and "seed 1" in result.stderr
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert len(rows) >= 1  # what was written stays valid
 
 
 def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path):
@@ -409,10 +501,10 @@ def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path):
             process.send_signal(signal.SIGINT)
             break
     stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr
+    assert process.returncode == 130, stderr  # as a shell expects of an interrupted program
     assert "stopping after this chunk" in stdout
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
-    assert 1 <= len(rows) < sac.chunk_counts(dataclasses.replace(TINY, total_timesteps=200000))[1]
+    assert 1 <= len(rows) < sac.chunk_sizes(dataclasses.replace(TINY, total_timesteps=200000))[1]
     for name in ["summary.json", "curves.png", "policy.gif", "model.msgpack"]:
         assert (tmp_path / name).exists(), name
 
@@ -422,15 +514,17 @@ def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path):
 
 @pytest.mark.slow
 def test_default_config_learns_to_balance():
-    """Seeds 1 and 2 of the default config, whole (4,000 updates; about 20 s of training on 2 CPU
-    cores): a random policy falls after about 20 steps; our runs of these seeds, and of 8 seeds,
-    all ended at 500 in every evaluation episode (the threshold 400 leaves a margin)."""
-    config = dataclasses.replace(sac.Config(), num_seeds=2, eval_episodes=20)
+    """Seeds 1 to 3 of the whole default config (about 1 to 2 minutes on 2 CPU cores). A random
+    policy falls after about 20 steps. Measured: 24 of 24 seeds (1-8, 101-108, 201-208) ended
+    at 500, each held 500 from 3.1M env steps on. A machine's XLA code changes every seed's path,
+    so the rule allows one seed to end elsewhere: the median seed solves (>= 475) and every seed
+    scores at least 5x a random policy."""
+    config = dataclasses.replace(sac.Config(), num_seeds=3, eval_episodes=20)
     _, _, train = sac.make_train(config)
     keys = sac.seed_keys(config)
-    state, metrics = jax.jit(jax.vmap(train))(keys)
-    returns, _, _ = jax.jit(jax.vmap(sac.make_evaluate(config)))(
-        state.learner.actor_params, jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys)
-    )
-    assert np.all(np.asarray(returns) >= 400), returns
+    state, metrics = jax.jit(jax.vmap(train))(keys.train)
+    params = jax.vmap(sac.trained_params)(state)
+    evaluation = jax.jit(jax.vmap(sac.make_evaluate(config)))(params, keys.evaluate)
+    returns = np.asarray(evaluation["episode_return"]).mean(axis=1)
+    assert np.median(returns) >= sac.SOLVED_RETURN and returns.min() >= 100, returns
     assert np.all(metrics.episode_return[:, 0] < 100)  # it started from a poor policy
