@@ -817,7 +817,10 @@ def write_gif(path: Path, frames: np.ndarray, seconds_per_frame: float) -> None:
     from PIL import Image  # matplotlib's dependency
 
     images = [Image.fromarray(frame) for frame in frames]
-    palette = images[0].quantize(colors=16)  # a few flat colours: one palette for every frame
+    # One palette for every frame, from frames across the whole GIF (a snake's body gradient,
+    # say, may not be on the first one).
+    sample = np.concatenate(frames[:: max(len(frames) // 8, 1)], axis=0)
+    palette = Image.fromarray(sample).quantize(colors=32)
     images = [image.quantize(palette=palette, dither=Image.Dither.NONE) for image in images]
     duration = round(1000 * seconds_per_frame)
     write_atomic(
@@ -873,9 +876,7 @@ def load_checkpoint(config: Config) -> tuple[Config, Params]:
         message = f"--load-model {config.load_model} is a {script} checkpoint for {env}"
         raise UsageError(f"{message}, not {SCRIPT}'s")
     given = flag_values(config)
-    # The defaults this command parsed over: the task's own (see parse_config).
-    defaults = dataclasses.replace(default_config(config.env_id), env_id=Config().env_id)
-    defaults = flag_values(defaults)
+    defaults = flag_values(Config())
     checkpoint = flag_values(saved)
     for name, value in given.items():
         if name not in EVAL_ONLY_FIELDS and value not in (defaults[name], checkpoint[name]):

@@ -775,7 +775,10 @@ def write_gif(path: Path, frames: np.ndarray, seconds_per_frame: float) -> None:
     from PIL import Image  # matplotlib's dependency
 
     images = [Image.fromarray(frame) for frame in frames]
-    palette = images[0].quantize(colors=16)  # a few flat colours: one palette for every frame
+    # One palette for every frame, from frames across the whole GIF (a snake's body gradient,
+    # say, may not be on the first one).
+    sample = np.concatenate(frames[:: max(len(frames) // 8, 1)], axis=0)
+    palette = Image.fromarray(sample).quantize(colors=32)
     images = [image.quantize(palette=palette, dither=Image.Dither.NONE) for image in images]
     duration = round(1000 * seconds_per_frame)
     write_atomic(

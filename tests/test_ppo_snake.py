@@ -1,6 +1,6 @@
-"""Tests of ppo_snake.py: the networks' shapes, the reverse-move mask against envs.Snake's neck
-rule, seeds and determinism of the pure core, the script contract, and (slow) that a short run
-learns to eat."""
+"""Tests of ppo_snake.py: the networks and their initialiser, the reverse-move mask against
+envs.Snake's neck rule, the losses by hand, seeds under vmap, the CLI contract (in process and
+in subprocesses) and, marked slow, that a short run learns to eat."""
 
 import csv
 import dataclasses
@@ -11,18 +11,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tyro
-from flax import serialization
 
 import envs
 import ppo_snake as ppo
 
-SCRIPT = str(Path(__file__).resolve().parents[1] / "ppo_snake.py")
-# A tiny config: 2 chunks of 2 iterations of 4 envs x 16 steps on a 6x6 board.
+SCRIPT = Path(__file__).resolve().parents[1] / "ppo_snake.py"
+# A run small enough to compile and train in seconds: 2 chunks of 2 iterations of 4 envs x 16
+# steps on a 6x6 board, each iteration 2 epochs of 2 minibatches.
 TINY = ppo.Config(
     num_envs=4,
     num_steps=16,
@@ -59,26 +60,7 @@ TINY_FLAGS = [
 ]
 
 
-def run_script(
-    *flags: str, env: dict | None = None, timeout: int = 240
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, SCRIPT, *flags],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def run_main(flags: list[str], capsys) -> tuple[int, str]:
-    """main() in this process, as the CLI runs it: (exit status, stderr)."""
-    with pytest.raises(SystemExit) as exit_info:
-        ppo.main(tyro.cli(ppo.Config, args=flags))
-    return exit_info.value.code, capsys.readouterr().err
-
-
-# ---- networks and the reverse-move mask -----------------------------------------------------
+# ---- networks, their initialiser and the reverse-move mask ----
 
 
 @pytest.mark.parametrize("network", ["conv", "transformer"])
@@ -88,9 +70,7 @@ def test_network_output_shapes(network):
             ppo.Config(), network=network, env=ppo.EnvConfig(grid_size=grid_size)
         )
         net = ppo.make_network(config, 4)
-        obs = jax.ShapeDtypeStruct(
-            (3, 2, grid_size, grid_size, 3), jnp.float32
-        )  # any leading batch axes
+        obs = jax.ShapeDtypeStruct((3, 2, grid_size, grid_size, 3), jnp.float32)  # any batch axes
         params = jax.eval_shape(net.init, jax.random.key(0), obs)
         logits, value = jax.eval_shape(net.apply, params, obs)
         assert logits.shape == (3, 2, 4) and value.shape == (3, 2), grid_size
@@ -100,7 +80,7 @@ def test_network_output_shapes(network):
 def random_play():
     """States and observations of 64 random-playing snakes on a 6x6 board over 400 steps, with
     the key each step used; on this small board random snakes eat and grow."""
-    env, params = envs.make("Snake")
+    env = envs.Snake()
     params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
 
     def step(carry, key):
@@ -124,10 +104,8 @@ def test_reverse_move_mask_is_the_envs_neck_rule(random_play):
     assert (states.length >= 3).sum() > 100  # the test sees long snakes, not only fresh ones
     mask = np.asarray(jax.jit(ppo.reverse_move_mask)(obs))
     moves = np.arange(4)
-    expected = ((moves + 2) % 4 == np.asarray(states.direction)[:, None]) & (
-        np.asarray(states.length)[:, None] > 1
-    )
-    np.testing.assert_array_equal(mask, expected)
+    reverse = (moves + 2) % 4 == np.asarray(states.direction)[:, None]
+    np.testing.assert_array_equal(mask, reverse & (np.asarray(states.length)[:, None] > 1))
     # What the env does with the masked move is exactly what it does with "keep going".
     long = np.flatnonzero(np.asarray(states.length) > 1)
     step = jax.jit(jax.vmap(env.step_env, in_axes=(0, 0, 0, None)))
@@ -146,14 +124,13 @@ def test_policy_starts_near_uniform_and_never_chooses_the_reverse_move(random_pl
     def policies(obs):
         params = net.init(jax.random.key(0), obs[0])
         confident = jax.tree.map(lambda x: 30.0 * x, params)  # a policy far from uniform
-        return [jax.nn.softmax(net.apply(p, obs)[0]) for p in (params, confident)] + [
-            ppo.reverse_move_mask(obs)
-        ]
+        fresh_policy = jax.nn.softmax(net.apply(params, obs)[0])
+        confident_policy = jax.nn.softmax(net.apply(confident, obs)[0])
+        return fresh_policy, confident_policy, ppo.reverse_move_mask(obs)
 
     fresh, confident, mask = map(np.asarray, policies(obs))
-    assert (
-        mask.any(axis=-1).sum() > 100 and np.isfinite(fresh).all() and np.isfinite(confident).all()
-    )
+    assert mask.any(axis=-1).sum() > 100
+    assert np.isfinite(fresh).all() and np.isfinite(confident).all()
     # At first (head gain 0.01) near uniform over the allowed moves: three with a neck, else four.
     allowed = 4 - mask.sum(-1, keepdims=True)
     np.testing.assert_allclose(fresh, np.where(mask, 0.0, 1.0 / allowed), atol=0.02)
@@ -164,20 +141,22 @@ def test_policy_starts_near_uniform_and_never_chooses_the_reverse_move(random_pl
 
 def test_init_is_orthogonal_with_the_gains_of_huang_et_al_under_vmap():
     """Every conv-trunk kernel is gain x orthogonal, two seeds initialised in one vmapped call
-    (where a QR-based initialiser could deadlock on CPU); the seeds differ; the biases are zero."""
+    (where flax's QR-based initialiser deadlocks on CPU); the seeds differ; the biases are 0."""
     net = ppo.make_network(ppo.Config(), 4)
     params = jax.jit(jax.vmap(net.init, in_axes=(0, None)))(
         jax.random.split(jax.random.key(0), 2), jnp.zeros((10, 10, 3))
     )["params"]
     gains = {
-        ("trunk", "Dense_0"): np.sqrt(2),
-        ("trunk", "Dense_1"): np.sqrt(2),
-        ("trunk", "Dense_2"): np.sqrt(2),
-        ("Dense_0",): 0.01,
-        ("Dense_1",): 1.0,
-    }  # the trunk's two convolutions and dense layer, the heads
+        ("trunk", "conv_0"): np.sqrt(2),
+        ("trunk", "conv_1"): np.sqrt(2),
+        ("trunk", "dense"): np.sqrt(2),
+        ("policy",): 0.01,
+        ("value",): 1.0,
+    }
     for path, gain in gains.items():
-        layer = params[path[0]][path[1]] if len(path) == 2 else params[path[0]]
+        layer = params
+        for name in path:
+            layer = layer[name]
         assert not np.allclose(layer["kernel"][0], layer["kernel"][1])
         for kernel in np.asarray(layer["kernel"]) / gain:
             gram = kernel.T @ kernel if kernel.shape[0] >= kernel.shape[1] else kernel @ kernel.T
@@ -185,50 +164,161 @@ def test_init_is_orthogonal_with_the_gains_of_huang_et_al_under_vmap():
         np.testing.assert_array_equal(layer["bias"], 0.0)
 
 
-# ---- the pure core: seeds and determinism ---------------------------------------------------
+# ---- losses and advantages, by hand ----
+
+
+def test_gae_by_hand_stops_at_episode_ends_and_bootstraps_only_truncations():
+    """One env, three steps: step 0 continues, step 1 is truncated, step 2 terminates."""
+    rewards = jnp.array([[1.0], [2.0], [3.0]])
+    values = jnp.array([[0.5], [1.0], [1.5]])
+    next_values = jnp.array([[1.0], [4.0], [9.0]])  # 9: after a termination, never used
+    terminated = jnp.array([[False], [False], [True]])
+    truncated = jnp.array([[False], [True], [False]])
+    advantages, targets = ppo.compute_gae(
+        rewards, values, next_values, terminated, truncated, gamma=0.9, gae_lambda=0.5
+    )
+    # step 2: 3 - 1.5 = 1.5; step 1: 2 + 0.9 * 4 - 1 = 4.6 (its own end: nothing flows back);
+    # step 0: delta 1 + 0.9 * 1 - 0.5 = 1.4, plus 0.9 * 0.5 * 4.6 = 2.07 from step 1.
+    np.testing.assert_allclose(advantages[:, 0], [3.47, 4.6, 1.5], rtol=1e-6)
+    np.testing.assert_allclose(targets, advantages + values)
+
+
+def test_policy_and_value_losses_by_hand():
+    log_prob = jnp.log(jnp.array([0.5, 0.3, 0.2]))
+    old_log_prob = jnp.log(jnp.array([0.25, 0.3, 0.4]))  # ratios 2, 1, 0.5
+    advantages = jnp.array([1.0, -2.0, 3.0])
+    loss, approx_kl, clip_frac = ppo.policy_loss(log_prob, old_log_prob, advantages, 0.2)
+    # max(-A r, -A clip(r)): max(-2, -1.2) = -1.2; max(2, 2) = 2; max(-1.5, -2.4) = -1.5
+    np.testing.assert_allclose(loss, np.mean([-1.2, 2.0, -1.5]), rtol=1e-6)
+    np.testing.assert_allclose(
+        approx_kl, np.mean([1 - np.log(2), 0.0, -0.5 - np.log(0.5)]), rtol=1e-5
+    )
+    np.testing.assert_allclose(clip_frac, 2 / 3, rtol=1e-6)
+    values = jnp.array([1.0, 3.0])
+    old_values = jnp.array([0.0, 2.9])
+    targets = jnp.array([2.0, 0.0])
+    np.testing.assert_allclose(ppo.value_loss(values, old_values, targets, 0.2, False), 2.5)
+    # clipped: values 0.2 and 3.0 (within 0.2 of old): errors max(1, 3.24) and max(9, 9)
+    np.testing.assert_allclose(
+        ppo.value_loss(values, old_values, targets, 0.2, True), 0.5 * (3.24 + 9) / 2, rtol=1e-6
+    )
+
+
+def test_food_shaping_by_hand():
+    env = envs.Snake()
+    params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
+    _, state = env.reset(jax.random.key(0), params)
+    state = state.replace(head=jnp.array([1, 1]), food=jnp.array([4, 3]))
+    obs = env.get_obs(state, params)
+    closer = env.get_obs(state.replace(head=jnp.array([2, 1])), params)
+    np.testing.assert_allclose(ppo.food_potential(obs), -5 / 6, rtol=1e-6)
+    shaped = ppo.shaped_reward(
+        jnp.array([0.0, -1.0]),
+        jnp.stack([obs, obs]),
+        jnp.stack([closer, closer]),
+        jnp.array([False, True]),
+        gamma=0.9,
+        weight=2.0,
+    )
+    # a step closer: 2 (0.9 * -4/6 + 5/6); a death: -1 + 2 (0 + 5/6), the potential 0 there
+    np.testing.assert_allclose(shaped, [2 * (0.9 * -4 / 6 + 5 / 6), -1 + 2 * 5 / 6], rtol=1e-6)
+
+
+# ---- training: seeds, determinism, the metrics ----
 
 
 @pytest.fixture(scope="module")
-def tiny_runs():
-    """Seeds 0 and 1 of TINY trained in one vmapped program, and seed 1 alone, twice."""
-    _, _, train = ppo.make_train(TINY)
-    keys = ppo.seed_keys(dataclasses.replace(TINY, num_seeds=2))
-    single = jax.jit(train)
-    return jax.jit(jax.vmap(train))(keys), single(keys[1]), single(keys[1])
+def two_seed_run():
+    """Seeds 3 and 4 of TINY in one vmapped program."""
+    config = dataclasses.replace(TINY, seed=3, num_seeds=2)
+    _, _, train = ppo.make_train(config)
+    return config, train, jax.jit(jax.vmap(train))(ppo.seed_keys(config).train)
 
 
-def test_vmapped_seed_matches_the_single_run(tiny_runs):
-    (vmapped_state, vmapped_metrics), (state, metrics), _ = tiny_runs
+def test_vmapped_seed_equals_single_run_and_seeds_differ(two_seed_run):
+    config, train, (state, metrics) = two_seed_run
+    assert metrics.value_loss.shape == (2, ppo.chunk_sizes(config)[1])
+    assert int(state.updates[0]) == 2 * 2 * 2 * 2  # chunks x iterations x epochs x minibatches
+    single_key = ppo.seed_keys(dataclasses.replace(config, seed=4, num_seeds=1)).train[0]
+    single_state, single_metrics = jax.jit(train)(single_key)  # seed 3 + 1 alone
     close = dict(rtol=1e-4, atol=1e-5)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a[1], b, **close),
-        vmapped_state.params,
-        state.params,
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda x: x[1], state.params), single_state.params, **close
     )
-    for name in ppo.METRIC_NAMES:
-        np.testing.assert_allclose(vmapped_metrics[name][1], metrics[name], **close)
-    assert metrics["value_loss"].shape == (ppo.sizes(TINY).num_chunks,)
-
-
-def test_different_seeds_give_different_networks_and_same_seed_identical_metrics(tiny_runs):
-    (state, _), (_, first), (_, second) = tiny_runs
-    kernel = state.params["params"]["trunk"]["Dense_0"]["kernel"]
+    for name in ppo.METRIC_COLUMNS:
+        np.testing.assert_allclose(
+            getattr(metrics, name)[1], getattr(single_metrics, name), **close, err_msg=name
+        )
+    kernel = state.params["params"]["trunk"]["conv_0"]["kernel"]
     assert not np.allclose(kernel[0], kernel[1])
-    for name in ppo.METRIC_NAMES:
-        np.testing.assert_array_equal(first[name], second[name])
 
 
-def test_score_counts_food(tiny_runs):
-    # Food eaten = return + 1 for an episode that ended in a death: between return and return + 1.
-    (_, metrics), _, _ = tiny_runs
-    surplus = np.asarray(metrics["score"] - metrics["episode_return"])
+def test_same_seed_gives_identical_metrics_in_process(two_seed_run):
+    config, train, (_, metrics) = two_seed_run
+    _, again = jax.jit(jax.vmap(train))(ppo.seed_keys(config).train)
+    chex.assert_trees_all_equal(metrics, again)
+
+
+def test_cli_chunk_loop_equals_train(two_seed_run):
+    """The CLI's path (init, then run_chunk from Python) is the same computation as train."""
+    config, _, (state, metrics) = two_seed_run
+    init, run_chunk, _ = ppo.make_train(config)
+    loop_state = jax.jit(jax.vmap(init))(ppo.seed_keys(config).train)
+    chunk = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)))
+    for index in range(ppo.chunk_sizes(config)[1]):
+        loop_state, loop_metrics = chunk(loop_state, index)
+    chex.assert_trees_all_close(loop_state.params, state.params, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(
+        loop_metrics, jax.tree.map(lambda x: x[:, -1], metrics), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_score_counts_food(two_seed_run):
+    """Food eaten = return + 1 for an episode that ended in a death: between return and + 1."""
+    _, _, (_, metrics) = two_seed_run
+    surplus = np.asarray(metrics.score - metrics.episode_return)
     assert ((surplus >= 0) & (surplus <= 1 + 1e-6)).all() and (surplus > 0).any()
-    assert (np.asarray(metrics["score"]) >= 0).all() and (
-        np.asarray(metrics["win_rate"]) == 0
-    ).all()
+    assert (np.asarray(metrics.score) >= 0).all() and (np.asarray(metrics.win_rate) == 0).all()
 
 
-# ---- the contract -----------------------------------------------------------------------------
+def test_evaluation_starts_from_other_states_than_training():
+    """The evaluation's key is split from the seed's key beside training's, not folded from it:
+    its first reset states share nothing with the training envs' first reset states (a reset
+    state is the head's and the food's cells: 159,600 of them on 20x20, so no pair of 64 meets
+    by chance)."""
+    config = dataclasses.replace(TINY, num_envs=8, eval_episodes=8, env=ppo.EnvConfig(20))
+    keys = ppo.seed_keys(config)
+    init, _, _ = ppo.make_train(config)
+    training_obs = np.asarray(jax.jit(init)(keys.train[0]).obs)
+    env, env_params = ppo.make_env(config)
+    episode_keys = jax.random.split(keys.evaluate[0], config.eval_episodes)  # as evaluate does
+    reset_keys = jax.vmap(lambda key: jax.random.split(key)[0])(episode_keys)
+    evaluation_obs = np.asarray(jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0])
+    same = (training_obs[:, None] == evaluation_obs[None, :]).all(axis=(-3, -2, -1))
+    assert not same.any()
+    assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3
+
+
+def test_evaluate_and_render_shapes(two_seed_run):
+    config, _, (state, _) = two_seed_run
+    keys = ppo.seed_keys(config)
+    params = ppo.trained_params(state)
+    episodes = jax.jit(jax.vmap(ppo.make_evaluate(config)))(params, keys.evaluate)
+    assert set(episodes) == {"episode_return", "score", "win", "episode_length"}
+    for values in episodes.values():
+        assert values.shape == (2, config.eval_episodes)
+    died = episodes["score"] - episodes["episode_return"]
+    assert np.isin(np.asarray(died), [0.0, 1.0]).all()
+    render, seconds_per_frame = ppo.make_render(config)
+    frames = jax.jit(render)(jax.tree.map(lambda x: x[0], params), keys.render[0])
+    cell_pixels = 120 // 6
+    board = 6 * cell_pixels
+    width = ppo.GIF_BOARDS * board + (ppo.GIF_BOARDS - 1) * cell_pixels
+    assert frames.shape == (ppo.GIF_FRAMES, board, width, 3) and frames.dtype == jnp.uint8
+    assert seconds_per_frame > 0
+
+
+# ---- the command line contract: in process ----
 
 
 @pytest.mark.parametrize(
@@ -241,10 +331,12 @@ def test_score_counts_food(tiny_runs):
         (dict(conv_channels=(8, 0)), "--conv-channels"),
         (dict(num_envs=0), "--num-envs"),
         (dict(learning_rate=0.0), "--learning-rate"),
+        (dict(ent_coef=-0.1), "--ent-coef"),
         (dict(gamma=0.0), "--gamma"),
         (dict(gae_lambda=1.5), "--gae-lambda"),
         (dict(num_minibatches=3), "--num-minibatches"),
         (dict(total_timesteps=100), "--total-timesteps"),
+        (dict(seed=-1), "--seed"),
         (dict(eval_only=True), "--eval-only"),
         (dict(load_model="model.msgpack"), "--load-model"),
     ],
@@ -255,8 +347,65 @@ def test_validate_names_the_bad_flag(change, flag):
     ppo.validate(TINY)
 
 
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--env.grid-size", "21"], "--env.grid-size must be in [6, 20], got 21"),
+        (["--num-minibatches", "3"], "--num-minibatches"),
+        (["--total-timesteps", "100"], "--total-timesteps"),
+        (["--eval-only"], "--load-model"),
+        (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, monkeypatch):
+    """In process: main validates before anything is compiled."""
+    monkeypatch.setattr(ppo.jax, "jit", None)  # nothing may be compiled on the way to the error
+    with pytest.raises(SystemExit) as exit_:
+        ppo.main(ppo.parse_config(flags))
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err
+    assert len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--no-such-flag", "3"], "--no-such-flag"),
+        (["--grid-size", "8"], "--env.grid-size"),  # tyro's "Perhaps you meant"
+        (["--network", "mlp"], "--network"),
+        (["--num-envs", "many"], "--num-envs"),
+    ],
+)
+def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ppo.parse_config(flags)
+    assert exit_.value.code == 2
+    assert name in capsys.readouterr().err
+
+
+# ---- the command line contract: subprocesses ----
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory) -> dict:
+    """One persistent compilation cache for this file's runs (not the user's): a rerun of a
+    config loads its programs instead of compiling them."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache"))}
+
+
+def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        **kwargs,
+    )
+
+
 def test_help_lists_every_option():
-    result = run_script("--help")
+    result = run("--help")
     assert result.returncode == 0
     for flag in [
         "--seed",
@@ -278,6 +427,7 @@ def test_help_lists_every_option():
         "--no-save-model",
         "--no-capture-gif",
         "--no-plot",
+        "--no-compile-cache",
         "--eval-episodes",
         "--log-every",
         "--load-model",
@@ -290,182 +440,241 @@ def test_help_lists_every_option():
         assert flag in result.stdout, flag
 
 
-@pytest.mark.parametrize(
-    "flags, words",
-    [
-        (
-            ["--grid-size", "8"],
-            "perhaps you meant --env.grid-size",
-        ),  # tyro's suggestion for a typo, kept
-        (["--network", "mlp"], "--network"),
-        (["--num-envs", "many"], "--num-envs"),
-    ],
-)
-def test_parse_errors_are_one_line_and_exit_2(flags, words):
-    result = run_script(*flags)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("ppo_snake.py: error:"), (
-        result.stderr
+def test_bad_flags_from_the_command_line():
+    result = run("--env.grid-size", "21")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "ppo_snake.py: error: --env.grid-size must be in [6, 20], got 21"
     )
-    assert words in result.stderr or "argument" in result.stderr.lower(), result.stderr
+    result = run("--no-such-flag")
+    assert result.returncode == 2 and "--no-such-flag" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
-def test_grid_size_out_of_range_is_one_line_and_exit_2(capsys):
-    result = run_script("--env.grid-size", "21")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert (
-        result.stderr.count("\n") == 1
-        and "--env.grid-size must be in [6, 20], got 21" in result.stderr
-    )
-    status, stderr = run_main(["--env.grid-size", "5"], capsys)
-    assert status == 2 and stderr.count("\n") == 1 and "--env.grid-size" in stderr
-    status, stderr = run_main(["--num-minibatches", "3"], capsys)
-    assert status == 2 and stderr.count("\n") == 1 and "--num-minibatches" in stderr
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, compile_cache):
+    out = tmp_path_factory.mktemp("run")
+    flags = [*TINY_FLAGS, "--num-seeds", "2", "--seed", "5", "--output-dir", str(out)]
+    result = run(*flags, env=compile_cache)
+    assert result.returncode == 0, result.stderr
+    return out, result
 
 
-def test_eval_only_refuses_a_checkpoint_of_another_script(tmp_path, capsys):
-    foreign = tmp_path / "model.msgpack"
-    foreign.write_bytes(
-        serialization.msgpack_serialize(
-            {"script": "ppo_cartpole", "env_id": "CartPole-v1", "config": "{}", "params": {}}
-        )
-    )
-    status, stderr = run_main(["--eval-only", "--load-model", str(foreign)], capsys)
-    assert (
-        status == 2
-        and stderr.count("\n") == 1
-        and "ppo_cartpole" in stderr
-        and "CartPole-v1" in stderr
-    )
-
-
-def test_outputs_ctrl_c_and_eval_only(tmp_path):
-    """Train 2 seeds over many chunks, press Ctrl-C after the second: the run stops after that
-    chunk and still writes every output; --eval-only then reproduces the saved evaluation."""
-    out = tmp_path / "run"
-    flags = [
-        *TINY_FLAGS,
-        "--total-timesteps",
-        str(128 * 10_000),
-        "--num-seeds",
-        "2",
-        "--output-dir",
-        str(out),
-    ]
-    process = subprocess.Popen(
-        [sys.executable, SCRIPT, *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if line.startswith("steps 256/"):  # the second chunk is done
-            process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=240) == 0, "".join(lines)
-    assert any(line.startswith("compiled in") for line in lines)
-    assert any("score" in line and "wins" in line for line in lines if line.startswith("steps "))
-    assert {path.name for path in out.iterdir()} == {
+def test_run_writes_every_output(finished_run, compile_cache):
+    out, result = finished_run
+    assert result.stdout.startswith(f"compile cache: {compile_cache['JAX_COMPILATION_CACHE_DIR']}")
+    assert "Snake 6x6" in result.stdout and "compiled in" in result.stdout
+    progress = [line for line in result.stdout.splitlines() if line.startswith("steps ")]
+    assert len(progress) == 2 and all("score" in line and "win_rate" in line for line in progress)
+    for name in [
         "config.json",
         "metrics.csv",
         "summary.json",
         "curves.png",
         "policy.gif",
         "model.msgpack",
-    }
-    assert json.loads((out / "config.json").read_text())["env"]["grid_size"] == 6
-    with open(out / "metrics.csv") as file:
-        rows = list(csv.DictReader(file))
-    assert list(rows[0]) == list(ppo.CSV_COLUMNS)
-    chunks = len(rows) // 2
-    assert 2 <= chunks < 10_000 and [row["seed"] for row in rows[:2]] == ["0", "1"]
+    ]:
+        assert (out / name).stat().st_size > 0, name
+    assert not list(out.glob(".*tmp*"))  # no temporary files left behind
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_seeds"] == 2 and config["env"]["grid_size"] == 6
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert tuple(rows[0]) == ppo.CSV_COLUMNS
+    assert len(rows) == 2 * ppo.chunk_sizes(TINY)[1]
+    assert [row["seed"] for row in rows] == ["5", "6", "5", "6"]
     summary = json.loads((out / "summary.json").read_text())
-    assert (
-        summary["stopped_early"]
-        and summary["env_steps"] == 128 * chunks
-        and summary["num_seeds"] == 2
-    )
-    assert len(summary["final_returns"]) == len(summary["final_scores"]) == 2
-    assert 0 <= summary["final_win_fraction"] <= 1 and summary["final_score_mean"] >= 0
-    for name in ["final_return_std", "train_seconds", "compile_seconds", "env_steps_per_second"]:
-        assert summary[name] >= 0, name
+    for key in [
+        "final_returns",
+        "final_return_mean",
+        "final_return_std",
+        "solved_fraction",
+        "final_score_mean",
+        "final_win_mean",
+        "final_episode_length_mean",
+        "train_seconds",
+        "compile_seconds",
+        "env_steps_per_second",
+        "updates_per_second",
+        "num_seeds",
+        "num_envs",
+        "device",
+    ]:
+        assert key in summary, key
+    assert len(summary["final_returns"]) == len(summary["final_score"]) == 2
+    assert summary["env_steps"] == 256
+    assert summary["final_score_mean"] >= 0 and 0 <= summary["final_win_mean"] <= 1
 
-    evaluation = tmp_path / "evaluation"
-    result = run_script(
+
+def without_timing(path: Path) -> list[dict]:
+    timing = {"wall_seconds", "sps"}
+    rows = csv.DictReader(path.open())
+    return [{name: value for name, value in row.items() if name not in timing} for row in rows]
+
+
+def test_same_seed_gives_identical_metrics(finished_run, tmp_path, compile_cache):
+    out, _ = finished_run
+    result = run(
+        *TINY_FLAGS,
+        "--num-seeds",
+        "2",
+        "--seed",
+        "5",
+        "--output-dir",
+        str(tmp_path),
+        "--no-plot",
+        "--no-capture-gif",
+        "--no-save-model",
+        env=compile_cache,
+    )
+    assert result.returncode == 0, result.stderr
+    assert without_timing(out / "metrics.csv") == without_timing(tmp_path / "metrics.csv")
+
+
+def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path, compile_cache):
+    """The checkpoint brings its board, network and seeds; no flags needed."""
+    out, _ = finished_run
+    result = run(
         "--eval-only",
         "--load-model",
         str(out / "model.msgpack"),
         "--eval-episodes",
         "2",
         "--output-dir",
-        str(evaluation),
+        str(tmp_path),
+        env=compile_cache,
     )
     assert result.returncode == 0, result.stderr
-    assert (evaluation / "policy.gif").stat().st_size > 0
-    evaluated = json.loads((evaluation / "summary.json").read_text())
-    for name in [
-        "final_returns",
-        "final_scores",
-        "final_win_fraction",
-        "final_episode_length_mean",
-    ]:
-        assert evaluated[name] == summary[name], name
+    saved = json.loads((out / "summary.json").read_text())
+    evaluated = json.loads((tmp_path / "summary.json").read_text())
+    for name in ["final_returns", "final_score", "final_win", "final_episode_length"]:
+        assert evaluated[name] == saved[name], name
+    assert (tmp_path / "policy.gif").stat().st_size > 0
+    assert not (tmp_path / "model.msgpack").exists()
 
 
-def test_sharded_over_two_devices_matches_the_pure_train(tmp_path, tiny_runs):
-    """Seeds over 2 (forced) CPU devices: the CLI's chunk loop gives the metrics of train(key)."""
-    two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    result = run_script(*TINY_FLAGS, "--num-seeds", "3", env=two_devices)
-    assert (
-        result.returncode == 2 and "--num-seeds" in result.stderr and result.stderr.count("\n") == 1
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--hidden-size", "8"], "--hidden-size"),
+        (["--network", "transformer"], "--network"),
+        (["--env.grid-size", "8"], "--env.grid-size"),
+    ],
+)
+def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run, flags, name):
+    out, _ = finished_run
+    result = run("--eval-only", "--load-model", str(out / "model.msgpack"), *flags)
+    assert result.returncode == 2 and name in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
+    out, _ = finished_run
+    payload = flax.serialization.msgpack_restore((out / "model.msgpack").read_bytes())
+    other = tmp_path / "other.msgpack"
+    other.write_bytes(
+        flax.serialization.msgpack_serialize(
+            {**payload, "script": "ppo_cartpole", "env": "CartPole-v1"}
+        )
     )
-    out = tmp_path / "run"
-    result = run_script(
+    garbage = tmp_path / "garbage.msgpack"
+    garbage.write_bytes(b"\x80")  # an empty msgpack map
+    text = tmp_path / "notes.txt"
+    text.write_text("a secret line that must not be echoed\n" * 50)
+    for path, expected in [
+        (other, "ppo_cartpole checkpoint for CartPole-v1"),
+        (garbage, "not a model"),
+        (text, "not a model"),
+    ]:
+        result = run("--eval-only", "--load-model", str(path))
+        assert result.returncode == 2 and expected in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "secret" not in result.stderr
+
+
+def test_two_devices_shard_the_seeds(finished_run, tmp_path, compile_cache):
+    out, _ = finished_run
+    two_devices = {**compile_cache, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = run(
         *TINY_FLAGS,
         "--num-seeds",
         "2",
+        "--seed",
+        "5",
         "--output-dir",
-        str(out),
-        "--no-capture-gif",
+        str(tmp_path),
         "--no-plot",
+        "--no-capture-gif",
         "--no-save-model",
         env=two_devices,
     )
     assert result.returncode == 0, result.stderr
-    assert "2 x cpu" in result.stdout
-    with open(out / "metrics.csv") as file:
-        rows = list(csv.DictReader(file))
-    (_, metrics), _, _ = tiny_runs
-    for name in ppo.METRIC_NAMES:
-        from_cli = np.array(
-            [[float(row[name]) for row in rows if row["seed"] == str(seed)] for seed in (0, 1)]
+    assert "on 2 device(s)" in result.stdout
+    one = list(csv.DictReader((out / "metrics.csv").open()))
+    two = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    for name in ppo.METRIC_COLUMNS:
+        np.testing.assert_allclose(
+            [float(row[name]) for row in two],
+            [float(row[name]) for row in one],
+            rtol=1e-4,
+            atol=1e-5,
+            err_msg=name,
         )
-        np.testing.assert_allclose(from_cli, metrics[name], rtol=1e-4, atol=1e-5)
+    odd = run(*TINY_FLAGS, "--num-seeds", "3", env=two_devices)
+    assert odd.returncode == 2 and "--num-seeds" in odd.stderr
 
 
-def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path):
-    result = run_script(
-        *TINY_FLAGS, "--learning-rate", "inf", "--output-dir", str(tmp_path), "--no-capture-gif"
+def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path, compile_cache):
+    result = run(
+        *TINY_FLAGS,
+        "--learning-rate",
+        "inf",
+        "--output-dir",
+        str(tmp_path),
+        "--no-plot",
+        "--no-capture-gif",
+        env=compile_cache,
     )
     assert result.returncode == 1
-    assert "non-finite" in result.stderr and "chunk 1, seed 0" in result.stderr
-    assert (tmp_path / "metrics.csv").exists()
+    assert "non-finite" in result.stderr and "chunk 1, seed 1" in result.stderr, result.stderr
+    assert len(list(csv.DictReader((tmp_path / "metrics.csv").open()))) == 1  # still valid
 
 
-# ---- learning -----------------------------------------------------------------------------------
+def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path, compile_cache):
+    flags = [*TINY_FLAGS, "--total-timesteps", str(128 * 10_000), "--output-dir", str(tmp_path)]
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **compile_cache},
+    )
+    for line in process.stdout:
+        if line.startswith("steps"):
+            process.send_signal(signal.SIGINT)
+            break
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stderr  # as a shell expects of an interrupted program
+    assert "stopping after this chunk" in stdout
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert 1 <= len(rows) < 10_000
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped_early"] and summary["env_steps"] == 128 * len(rows)
+    for name in ["curves.png", "policy.gif", "model.msgpack"]:
+        assert (tmp_path / name).exists(), name
+
+
+# ---- learning ----
 
 
 @pytest.mark.slow
 def test_short_run_learns_to_eat():
-    """Two seeds, 163,840 env steps each on a 6x6 board with a small CNN (about 20 s on 2 CPU
-    cores). Measured for seeds 0-7 (pairs through this same code): random play scores 0.14-0.19
-    food per episode in the first chunk; the greedy policy after training 2.85-7.05 per seed
-    (20 episodes; seeds 0 and 1: 7.05 and 5.9), the training episodes of the last 32,768 steps
-    6.2-8.5. The bars: under 0.6 at first, then 3.0 in training and 1.5 greedy."""
+    """Four seeds, 163,840 env steps each on a 6x6 board with a small CNN. Random play eats
+    about 0.15 food per episode; the bars come from measured runs with a wide margin (seeds 1-8:
+    0.14-0.21 in the first chunk, greedy 5.05-7.75; docs/ppo.md): every seed below 0.6 in the
+    first chunk (it starts as random play), then a greedy score over 20 episodes of at least 2
+    on every seed and 4 on the median one. No single seed's path is asserted, since XLA's CPU
+    code (and so each trajectory) differs between processors."""
     config = dataclasses.replace(
         ppo.Config(),
-        num_seeds=2,
+        num_seeds=4,
         env=ppo.EnvConfig(grid_size=6),
         conv_channels=(8, 16),
         hidden_size=64,
@@ -473,18 +682,15 @@ def test_short_run_learns_to_eat():
         num_steps=64,
         num_minibatches=8,
         update_epochs=2,
-        learning_rate=2e-3,
-        food_shaping=1.0,
         total_timesteps=163_840,
         log_every=16_384,
         eval_episodes=20,
     )
-    _, _, train = ppo.make_train(config)
     keys = ppo.seed_keys(config)
-    state, metrics = jax.jit(jax.vmap(train))(keys)
+    _, _, train = ppo.make_train(config)
+    state, metrics = jax.jit(jax.vmap(train))(keys.train)
     evaluate = jax.jit(jax.vmap(ppo.make_evaluate(config)))
-    episodes = evaluate(state.params, jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys))
-    scores = np.asarray(metrics["score"])  # [seeds, chunks]
-    assert scores.shape == (2, 10) and scores[:, 0].max() < 0.6  # it starts out as random play
-    assert scores[:, -2:].mean(axis=1).min() >= 3.0
-    assert np.asarray(episodes["score"]).mean(axis=1).min() >= 1.5
+    scores = np.asarray(evaluate(ppo.trained_params(state), keys.evaluate)["score"]).mean(axis=1)
+    first_chunk = np.asarray(metrics.score[:, 0])
+    assert np.all(first_chunk < 0.6), first_chunk
+    assert np.all(scores >= 2.0) and np.median(scores) >= 4.0, scores
