@@ -876,7 +876,9 @@ def load_checkpoint(config: Config) -> tuple[Config, Params]:
         message = f"--load-model {config.load_model} is a {script} checkpoint for {env}"
         raise UsageError(f"{message}, not {SCRIPT}'s")
     given = flag_values(config)
-    defaults = flag_values(Config())
+    # The defaults this command parsed over: the task's own (see parse_config).
+    defaults = dataclasses.replace(default_config(config.env_id), env_id=Config().env_id)
+    defaults = flag_values(defaults)
     checkpoint = flag_values(saved)
     for name, value in given.items():
         if name not in EVAL_ONLY_FIELDS and value not in (defaults[name], checkpoint[name]):
