@@ -111,7 +111,8 @@ class Config:
     eval_only: bool = False
     """evaluate (and render) the --load-model checkpoint instead of training"""
     compile_cache: bool = True
-    """keep compiled programs in JAX's persistent cache ($JAX_COMPILATION_CACHE_DIR or ~/.cache)"""
+    """keep compiled programs in JAX's persistent cache ($JAX_COMPILATION_CACHE_DIR, else
+    ~/.cache/jax-rl-scripts, at most 1 GiB)"""
     env: EnvConfig = EnvConfig()
     """Pendulum-v1 physics"""
 
