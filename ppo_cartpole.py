@@ -13,6 +13,7 @@ device, and one compiled `lax.scan` runs a chunk of PPO iterations.
 import csv
 import dataclasses
 import io
+import itertools
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_type_hints
 
 import chex
 import flax.linen as nn
@@ -65,6 +66,9 @@ class Config:
     """seed of the first run; seed i of --num-seeds uses seed + i"""
     num_seeds: int = 1
     """independent runs trained at once in one vmapped program"""
+    sweep: tuple[str, ...] = ()
+    """NAME=V1,V2,... per swept field (learning-rate=1e-3,3e-3 ent-coef=0,0.01): every
+    combination of the values x --num-seeds runs in one vmapped program (docs/sweeps.md)"""
     num_envs: int = 32
     """parallel envs per seed"""
     total_timesteps: int = 98_304
@@ -672,12 +676,73 @@ def validate(config: Config) -> None:
     if not config.eval_only:
         one_chunk = f">= one chunk ({chunk_steps} env steps, see --log-every)"
         require(num_chunks >= 1, "total_timesteps", one_chunk, config.total_timesteps)
-    devices = f"a multiple of the {jax.device_count()} devices"
-    require(config.num_seeds % jax.device_count() == 0, "num_seeds", devices, config.num_seeds)
     if config.eval_only != (config.load_model is not None):
         raise UsageError("--eval-only and --load-model PATH go together (evaluate a checkpoint)")
     exists = config.load_model is None or Path(config.load_model).is_file()
     require(exists, "load_model", "an existing file", config.load_model)
+
+
+def float_fields(config_type: type, prefix: str = "") -> tuple[str, ...]:
+    hints = get_type_hints(config_type)
+    return tuple(prefix + name for name, hint in hints.items() if hint in (float, float | None))
+
+
+# Fields --sweep may vary: the floats (rates, coefficients, env physics) set no shape and no
+# Python branch, so they can be traced values inside the one vmapped program.
+SWEEPABLE = float_fields(Config) + float_fields(EnvConfig, "env.")
+Point = dict[str, float]  # one grid point: a value per swept field
+
+
+def with_values(config: Config, point: dict[str, Any]) -> Config:
+    """`config` with the swept fields set (floats, or traced values inside the program)."""
+    top = {name: value for name, value in point.items() if not name.startswith("env.")}
+    env = {name[4:]: value for name, value in point.items() if name.startswith("env.")}
+    return dataclasses.replace(config, **top, env=dataclasses.replace(config.env, **env))
+
+
+def describe(point: Point) -> str:
+    return " ".join(f"{name.replace('_', '-')}={value:g}" for name, value in point.items())
+
+
+def sweep_grid(config: Config) -> list[Point]:
+    """Every combination of the --sweep values, in order (one empty point without --sweep).
+    UsageError for a name that cannot be swept, a value that is not a number or that validate
+    rejects, and a run count (points x seeds) that does not divide over the devices."""
+    values: dict[str, list[float]] = {}
+    for entry in config.sweep:
+        flag, _, listed = entry.partition("=")
+        name = flag.removeprefix("--").replace("-", "_")
+        if name not in SWEEPABLE:
+            sweepable = ", ".join(name.replace("_", "-") for name in SWEEPABLE)
+            raise UsageError(f"--sweep {entry}: {flag} cannot be swept; these can: {sweepable}")
+        if name in values:
+            raise UsageError(f"--sweep {entry}: {flag} is swept twice")
+        try:
+            values[name] = [float(value) for value in listed.split(",")]
+        except ValueError:
+            raise UsageError(f"--sweep {entry}: expected {flag}=V1,V2,... (numbers)") from None
+    combinations = itertools.product(*values.values())
+    grid = [dict(zip(values, combination, strict=True)) for combination in combinations]
+    for index, point in enumerate(grid):
+        try:
+            validate(with_values(config, point))
+        except UsageError as error:
+            raise UsageError(f"--sweep grid point {index} ({describe(point)}): {error}") from None
+    runs = len(grid) * config.num_seeds
+    devices = jax.device_count()
+    if runs % devices and config.sweep:
+        message = f"{len(grid)} grid points x {config.num_seeds} seed(s) = {runs} runs"
+        raise UsageError(f"--sweep: {message}, not a multiple of the {devices} devices")
+    require(runs % devices == 0, "num_seeds", f"a multiple of the {devices} devices", runs)
+    return grid
+
+
+def run_values(grid: list[Point], num_seeds: int) -> dict[str, np.ndarray]:
+    """Per swept field, its value in every run (grid point major, then seed)."""
+    return {
+        name: np.repeat(np.array([point[name] for point in grid], np.float32), num_seeds)
+        for name in grid[0]
+    }
 
 
 def enable_compile_cache(config: Config) -> str:
@@ -701,9 +766,9 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     os.replace(temporary, path)
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
+def write_csv(path: Path, rows: list[dict], columns: Sequence[str]) -> None:
     text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS)
+    writer = csv.DictWriter(text, fieldnames=columns)
     writer.writeheader()
     writer.writerows(rows)
     write_atomic(path, lambda temporary: temporary.write_text(text.getvalue()))
@@ -714,26 +779,135 @@ def write_json(path: Path, values: dict) -> None:
 
 
 def plot_curves(path: Path, config: Config, rows: list[dict]) -> None:
-    """Every metric against env steps: the mean over seeds and the min-max band."""
+    """Every metric against env steps: per grid point (one without --sweep), the mean over its
+    seeds and the min-max band."""
     from matplotlib.figure import Figure  # imported here: it is slow to import
 
     columns = METRIC_COLUMNS
-    seeds = sorted({row["seed"] for row in rows})
-    steps = np.array([row["env_steps"] for row in rows if row["seed"] == seeds[0]])
+    swept = [name for name in SWEEPABLE if name in rows[0]]
+    runs: dict[str, dict[int, list[dict]]] = {}  # grid point -> seed -> the run's rows
+    for row in rows:
+        point = describe({name: row[name] for name in swept})
+        runs.setdefault(point, {}).setdefault(row["seed"], []).append(row)
     figure = Figure(figsize=(13, 3.2 * -(-len(columns) // 3)), layout="constrained")
     axes = figure.subplots(-(-len(columns) // 3), 3, squeeze=False).flat
     for axis, name in zip(axes, columns, strict=False):
-        values = np.array([[row[name] for row in rows if row["seed"] == seed] for seed in seeds])
-        shown = np.isfinite(values).any(axis=0)  # chunks without episodes or updates are NaN
-        axis.plot(steps[shown], np.nanmean(values[:, shown], axis=0))
-        low, high = np.nanmin(values[:, shown], axis=0), np.nanmax(values[:, shown], axis=0)
-        axis.fill_between(steps[shown], low, high, alpha=0.25)
+        for point, seeds in runs.items():
+            steps = np.array([row["env_steps"] for row in next(iter(seeds.values()))])
+            values = np.array([[row[name] for row in run] for run in seeds.values()])
+            shown = np.isfinite(values).any(axis=0)  # chunks without episodes or updates are NaN
+            axis.plot(steps[shown], np.nanmean(values[:, shown], axis=0), label=point)
+            low, high = np.nanmin(values[:, shown], axis=0), np.nanmax(values[:, shown], axis=0)
+            axis.fill_between(steps[shown], low, high, alpha=0.25)
         axis.set(title=name, xlabel="env steps")
     axes[0].axhline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
+    if swept and len(runs) <= 12:
+        axes[0].legend(fontsize="small")
     for axis in axes[len(columns) :]:
         axis.set_visible(False)
-    figure.suptitle(f"{SCRIPT} on {env_name(config)}, {len(seeds)} seed(s)")
+    grid = f"{len(runs)} grid points x " if swept else ""
+    figure.suptitle(f"{SCRIPT} on {env_name(config)}, {grid}{config.num_seeds} seed(s)")
     write_atomic(path, lambda temporary: figure.savefig(temporary, format="png", dpi=80))
+
+
+def sweep_report(grid: list[Point], returns: np.ndarray) -> list[dict]:
+    """Per grid point: its values and its seeds' final returns, their mean and spread, and the
+    fraction of seeds at the solved bar."""
+    per_point = returns.reshape(len(grid), -1)
+    return [
+        {
+            "values": point,
+            "final_returns": point_returns.tolist(),
+            "mean": float(point_returns.mean()),
+            "std": float(point_returns.std()),
+            "solved_fraction": float((point_returns >= SOLVED_RETURN).mean()),
+        }
+        for point, point_returns in zip(grid, per_point, strict=True)
+    ]
+
+
+def write_sweep(out: Path, config: Config, report: list[dict], rows: list[dict]) -> None:
+    """sweep.csv (a row per grid point) and, unless --no-plot, sweep.png: with one swept field
+    the final return against its value and the return curves per value, with two a heatmap of
+    the mean, with more the grid points ranked (no curves without training `rows`)."""
+    from matplotlib.figure import Figure
+
+    names = list(report[0]["values"])
+    table = [
+        {
+            **entry["values"],
+            "mean": entry["mean"],
+            "std": entry["std"],
+            "solved_fraction": entry["solved_fraction"],
+            "final_returns": " ".join(f"{value:g}" for value in entry["final_returns"]),
+        }
+        for entry in report
+    ]
+    write_csv(out / "sweep.csv", table, list(table[0]))
+    if not config.plot:
+        return
+    means = np.array([entry["mean"] for entry in report])
+    title = f"{SCRIPT} on {env_name(config)}: final return, {config.num_seeds} seed(s) per point"
+    if len(names) == 1:
+        figure = Figure(figsize=(12, 4), layout="constrained")
+        left, right = figure.subplots(1, 2)
+        values = np.array([entry["values"][names[0]] for entry in report])
+        for value, entry in zip(values, report, strict=True):
+            seeds = entry["final_returns"]
+            left.scatter([value] * len(seeds), seeds, color="gray", s=12, zorder=2)
+        left.plot(values, means, marker="o", zorder=3, label="mean over seeds")
+        if values.min() > 0 and values.max() >= 10 * values.min():
+            left.set_xscale("log")
+        left.axhline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
+        left.set(xlabel=names[0].replace("_", "-"), ylabel="final return")
+        left.legend(fontsize="small")
+        right.set_visible(bool(rows))
+        for value in values if rows else []:
+            runs = [
+                row for row in rows if row[names[0]] == value and np.isfinite(row["episode_return"])
+            ]
+            steps = sorted({row["env_steps"] for row in runs})  # chunks that ended episodes
+            curve = [
+                np.mean([row["episode_return"] for row in runs if row["env_steps"] == step])
+                for step in steps
+            ]
+            right.plot(steps, curve, label=f"{value:g}")
+            right.legend(title=names[0].replace("_", "-"), fontsize="small")
+        right.set(xlabel="env steps", ylabel="training return (mean over seeds)")
+    elif len(names) == 2:
+        rows_of, columns_of = ([entry["values"][name] for entry in report] for name in names)
+        row_values, column_values = sorted(set(rows_of)), sorted(set(columns_of))
+        heat = np.full((len(row_values), len(column_values)), np.nan)
+        for row_value, column_value, mean in zip(rows_of, columns_of, means, strict=True):
+            heat[row_values.index(row_value), column_values.index(column_value)] = mean
+        figure = Figure(
+            figsize=(1.2 * len(column_values) + 3, 0.8 * len(row_values) + 2), layout="constrained"
+        )
+        axis = figure.subplots()
+        image = axis.imshow(heat, cmap="viridis", aspect="auto")
+        middle = np.nanmean(heat)
+        for (i, j), mean in np.ndenumerate(heat):
+            color = "black" if mean > middle else "white"  # readable on viridis' light and dark
+            axis.text(j, i, f"{mean:.0f}", ha="center", va="center", color=color)
+        axis.set_xticks(range(len(column_values)), [f"{value:g}" for value in column_values])
+        axis.set_yticks(range(len(row_values)), [f"{value:g}" for value in row_values])
+        axis.set(xlabel=names[1].replace("_", "-"), ylabel=names[0].replace("_", "-"))
+        figure.colorbar(image, label="mean final return")
+    else:
+        order = np.argsort(means)
+        figure = Figure(figsize=(10, 0.3 * len(report) + 1.5), layout="constrained")
+        axis = figure.subplots()
+        stds = np.array([report[i]["std"] for i in order])
+        base = min((means - stds).min(), SOLVED_RETURN)  # bars grow from below the worst point
+        base -= 0.05 * (means.max() - base + 1)
+        axis.barh(range(len(order)), means[order] - base, left=base, xerr=stds, color="tab:blue")
+        axis.set_yticks(range(len(order)), [describe(report[i]["values"]) for i in order])
+        axis.axvline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
+        axis.set(xlabel="final return (mean ± std over seeds)")
+    figure.suptitle(title)
+    write_atomic(
+        out / "sweep.png", lambda temporary: figure.savefig(temporary, format="png", dpi=80)
+    )
 
 
 def write_gif(path: Path, frames: np.ndarray, seconds_per_frame: float) -> None:
@@ -760,12 +934,17 @@ def write_gif(path: Path, frames: np.ndarray, seconds_per_frame: float) -> None:
     )
 
 
-def save_checkpoint(path: Path, config: Config, params: Params) -> None:
-    """Every seed's parameters (leading seed axis), with the config."""
+def save_checkpoint(path: Path, config: Config, grid: list[Point], params: Params) -> None:
+    """Every run's parameters (leading run axis), with the config and each run's seed and grid
+    point."""
+    runs = [
+        {"seed": config.seed + seed, **point} for point in grid for seed in range(config.num_seeds)
+    ]
     payload = {
         "script": SCRIPT,
         "env": env_name(config),
         "config": json.dumps(dataclasses.asdict(config)),
+        "runs": runs,
         "params": flax.serialization.to_state_dict(jax.device_get(params)),
     }
     payload_bytes = flax.serialization.msgpack_serialize(payload)
@@ -813,16 +992,17 @@ def load_checkpoint(config: Config) -> tuple[Config, Params]:
 
 
 class SeedKeys(NamedTuple):
-    """Per seed (leading axis num_seeds), three independent keys split once from the seed's."""
+    """Per run (leading axis: grid points x seeds), three independent keys split once from the
+    run's seed."""
 
     train: PRNGKey
     evaluate: PRNGKey
     render: PRNGKey
 
 
-def seed_keys(config: Config) -> SeedKeys:
-    """Seed i of a vmapped run is the run of --seed (seed + i) alone."""
-    seeds = config.seed + jnp.arange(config.num_seeds)
+def seed_keys(config: Config, num_points: int = 1) -> SeedKeys:
+    """Run r (grid point r // num_seeds) is the run of --seed (seed + r % num_seeds) alone."""
+    seeds = config.seed + jnp.arange(num_points * config.num_seeds) % config.num_seeds
     keys = jax.vmap(lambda seed: jax.random.split(jax.random.key(seed), 3))(seeds)
     return SeedKeys(train=keys[:, 0], evaluate=keys[:, 1], render=keys[:, 2])
 
@@ -842,47 +1022,63 @@ def stop_on_ctrl_c() -> threading.Event:
     return stop
 
 
-def train_and_log(config: Config, sharding: NamedSharding, out: Path, keys: PRNGKey):
-    """The CLI's training: the jitted, vmapped run_chunk once per chunk with the state donated
-    (the replay buffer is updated in place), a progress line and the metrics rows in between.
-    Returns (final state, rows, summary); exits on a non-finite value."""
-    init, run_chunk, _ = make_train(config)
+def train_and_log(
+    config: Config,
+    grid: list[Point],
+    sharding: NamedSharding,
+    out: Path,
+    keys: PRNGKey,
+    values: dict[str, Array],
+):
+    """The CLI's training: every run (grid point x seed) in one program, the jitted, vmapped
+    run_chunk once per chunk with the state donated (the replay buffer is updated in place), a
+    progress line and the metrics rows in between. Returns (final state, rows, summary); exits
+    on a non-finite value."""
+
+    def init(key: PRNGKey, values: dict[str, Array]) -> TrainState:
+        return make_train(with_values(config, values))[0](key)
+
+    def run_chunk(state: TrainState, chunk: Array, values: dict[str, Array]):
+        return make_train(with_values(config, values))[1](state, chunk)
+
     iterations_per_chunk, num_chunks = chunk_sizes(config)
-    state_shape = jax.eval_shape(jax.vmap(init), keys)
+    num_runs = len(grid) * config.num_seeds
+    state_shape = jax.eval_shape(jax.vmap(init), keys, values)
     state_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state_shape)) / 2**20
     devices = sharding.mesh.devices.flat
+    points = f"{len(grid)} grid points x " if config.sweep else ""
     print(
-        f"{SCRIPT}: {env_name(config)}, {config.num_seeds} seed(s) x {config.num_envs} envs on "
-        f"{sharding.mesh.size} device(s) ({devices[0].device_kind}), {num_chunks} chunks of "
-        f"{iterations_per_chunk} iterations; train state {state_mb / config.num_seeds:.1f} MB "
-        f"per seed",
+        f"{SCRIPT}: {env_name(config)}, {points}{config.num_seeds} seed(s) x {config.num_envs} "
+        f"envs on {sharding.mesh.size} device(s) ({devices[0].device_kind}), {num_chunks} chunks "
+        f"of {iterations_per_chunk} iterations; train state {state_mb / num_runs:.1f} MB per run",
         flush=True,
     )
     start = time.perf_counter()
     # init compiles on a second thread beside the chunk function (XLA compiles on one core).
     init_fn = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding)
-    init_compiling = ThreadPoolExecutor(1).submit(init_fn.lower(keys).compile)
+    init_compiling = ThreadPoolExecutor(1).submit(init_fn.lower(keys, values).compile)
     replicated = NamedSharding(sharding.mesh, PartitionSpec())
     chunk_fn = jax.jit(
-        jax.vmap(run_chunk, in_axes=(0, None)),
-        in_shardings=(sharding, replicated),
+        jax.vmap(run_chunk, in_axes=(0, None, 0)),
+        in_shardings=(sharding, replicated, sharding),
         out_shardings=sharding,
         donate_argnums=0,
     )
-    chunk_fn = chunk_fn.lower(state_shape, jnp.int32(0)).compile()
-    state = init_compiling.result()(keys)
+    chunk_fn = chunk_fn.lower(state_shape, jnp.int32(0), values).compile()
+    state = init_compiling.result()(keys, values)
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
 
     stop = stop_on_ctrl_c()
     waiter = ThreadPoolExecutor(1)
+    columns = ("seed", *grid[0], *CSV_COLUMNS[1:])  # the swept values after the seed
     rows: list[dict] = []
     steps = 0
     updates = 0
     start = time.perf_counter()
     last = start
     for chunk in range(num_chunks):
-        state, metrics = chunk_fn(state, jnp.int32(chunk))
+        state, metrics = chunk_fn(state, jnp.int32(chunk), values)
         # Waits for the chunk (a few numbers per seed come back) in a thread: Ctrl-C is heard now.
         metrics = waiter.submit(jax.device_get, metrics).result()
         now = time.perf_counter()
@@ -893,11 +1089,12 @@ def train_and_log(config: Config, sharding: NamedSharding, out: Path, keys: PRNG
         steps = int(metrics.env_steps[0])
         updates = int(metrics.updates[0])
         last = now
-        for i in range(config.num_seeds):
-            row = {name: float(getattr(metrics, name)[i]) for name in METRIC_COLUMNS}
+        for run in range(num_runs):
+            row = {name: float(getattr(metrics, name)[run]) for name in METRIC_COLUMNS}
             rows.append(
                 {
-                    "seed": config.seed + i,
+                    "seed": config.seed + run % config.num_seeds,
+                    **grid[run // config.num_seeds],
                     "env_steps": steps,
                     "updates": updates,
                     "wall_seconds": round(elapsed, 3),
@@ -905,11 +1102,16 @@ def train_and_log(config: Config, sharding: NamedSharding, out: Path, keys: PRNG
                     **row,
                 }
             )
-        write_csv(out / "metrics.csv", rows)  # every row so far: valid whenever the run stops
+        write_csv(out / "metrics.csv", rows, columns)  # every row so far: valid if the run stops
         returns = metrics.episode_return
         shown = "-" if np.isnan(returns).all() else f"{np.nanmean(returns):.1f}"
-        if config.num_seeds > 1 and not np.isnan(returns).all():
+        if num_runs > 1 and not np.isnan(returns).all():
             shown += f" ± {np.nanstd(returns):.1f} (min {np.nanmin(returns):.1f})"
+        if config.sweep and np.isfinite(returns).all():
+            point_means = returns.reshape(len(grid), config.num_seeds).mean(axis=1)
+            best, worst = grid[np.argmax(point_means)], grid[np.argmin(point_means)]
+            shown += f" | best {describe(best)} {point_means.max():.1f}"
+            shown += f", worst {describe(worst)} {point_means.min():.1f}"
         others = " ".join(
             f"{name} {np.mean(getattr(metrics, name)):.3g}" for name in PROGRESS_COLUMNS
         )
@@ -926,10 +1128,12 @@ def train_and_log(config: Config, sharding: NamedSharding, out: Path, keys: PRNG
             finite |= {name: np.isfinite(getattr(metrics, name)) for name in LOSS_COLUMNS}
         for name, ok in finite.items():
             if not ok.all():
-                seed = config.seed + int(np.argmin(ok))
+                run = int(np.argmin(ok))
+                seed = config.seed + run % config.num_seeds
+                point = f" ({describe(grid[run // config.num_seeds])})" if config.sweep else ""
                 print(
-                    f"{SCRIPT}: non-finite {name} in chunk {chunk + 1}, seed {seed}; stopped (the "
-                    f"files in {out} hold the chunks so far)",
+                    f"{SCRIPT}: non-finite {name} in chunk {chunk + 1}, seed {seed}{point}; "
+                    f"stopped (the files in {out} hold the chunks so far)",
                     file=sys.stderr,
                 )
                 sys.exit(1)
@@ -956,53 +1160,60 @@ def main(config: Config) -> None:
         params = None
         if config.eval_only:
             config, params = load_checkpoint(config)
+        grid = sweep_grid(config)
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
     print(f"compile cache: {compile_cache}", flush=True)
     devices = jax.devices()
-    sharding = NamedSharding(Mesh(np.array(devices), ("seeds",)), PartitionSpec("seeds"))
+    sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
     out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", dataclasses.asdict(config))
-    keys = jax.device_put(seed_keys(config), sharding)
-    evaluate = jax.jit(
-        jax.vmap(make_evaluate(config)), in_shardings=sharding, out_shardings=sharding
-    )
+    num_runs = len(grid) * config.num_seeds
+    keys = jax.device_put(seed_keys(config, len(grid)), sharding)
+    values = jax.device_put(run_values(grid, config.num_seeds), sharding)
+
+    def evaluate_run(params: Params, key: PRNGKey, values: dict[str, Array]) -> dict[str, Array]:
+        return make_evaluate(with_values(config, values))(params, key)
+
+    evaluate = jax.jit(jax.vmap(evaluate_run), in_shardings=sharding, out_shardings=sharding)
     summary: dict[str, Any] = {"eval_only": config.eval_only, "stopped_early": False}
     if config.eval_only:
-        print(f"{SCRIPT}: evaluating {config.num_seeds} seed(s) of {config.load_model}", flush=True)
+        print(f"{SCRIPT}: evaluating {num_runs} run(s) of {config.load_model}", flush=True)
         params = jax.device_put(params, sharding)
     else:
         # The evaluation compiles on a second thread while the chunks run.
         init = make_train(config)[0]
         params_shape = jax.eval_shape(jax.vmap(lambda key: trained_params(init(key))), keys.train)
-        evaluate = ThreadPoolExecutor(1).submit(evaluate.lower(params_shape, keys.evaluate).compile)
-        state, rows, train_summary = train_and_log(config, sharding, out, keys.train)
+        evaluate = evaluate.lower(params_shape, keys.evaluate, values)
+        evaluate = ThreadPoolExecutor(1).submit(evaluate.compile)
+        state, rows, train_summary = train_and_log(config, grid, sharding, out, keys.train, values)
         evaluate = evaluate.result()
         params = trained_params(state)
         summary |= train_summary
         if config.save_model:
-            save_checkpoint(out / "model.msgpack", config, params)
+            save_checkpoint(out / "model.msgpack", config, grid, params)
         if config.plot:
             plot_curves(out / "curves.png", config, rows)
-    evaluation = jax.device_get(evaluate(params, keys.evaluate))
-    per_seed = {name: np.asarray(values).mean(axis=1) for name, values in evaluation.items()}
-    returns = per_seed["episode_return"]
+    evaluation = jax.device_get(evaluate(params, keys.evaluate, values))
+    per_run = {name: np.asarray(values).mean(axis=1) for name, values in evaluation.items()}
+    returns = per_run["episode_return"]
     solved = int((returns >= SOLVED_RETURN).sum())
-    extras = {name: values for name, values in per_seed.items() if name != "episode_return"}
+    extras = {name: values for name, values in per_run.items() if name != "episode_return"}
     others = "".join(f", {name} {values.mean():.3g}" for name, values in extras.items())
+    run, runs = ("run", "runs") if config.sweep else ("seed", "seed(s)")
     print(
-        f"evaluation, {config.eval_episodes} deterministic episodes per seed: return "
+        f"evaluation, {config.eval_episodes} deterministic episodes per {run}: return "
         f"{returns.mean():.1f} ± {returns.std():.1f} (min {returns.min():.1f}); {solved}/"
-        f"{config.num_seeds} seed(s) >= {SOLVED_RETURN:g}{others}",
+        f"{num_runs} {runs} >= {SOLVED_RETURN:g}{others}",
         flush=True,
     )
     summary = {
         "final_returns": returns.tolist(),
         "final_return_mean": float(returns.mean()),
         "final_return_std": float(returns.std()),
-        "solved_fraction": solved / config.num_seeds,
+        "solved_fraction": solved / num_runs,
         **{f"final_{name}": values.tolist() for name, values in extras.items()},
         **{f"final_{name}_mean": float(values.mean()) for name, values in extras.items()},
         **summary,
@@ -1011,11 +1222,20 @@ def main(config: Config) -> None:
         "eval_episodes": config.eval_episodes,
         "device": f"{len(devices)} x {devices[0].device_kind}",
     }
+    if config.sweep:
+        summary["sweep"] = sweep_report(grid, returns)
+        for entry in sorted(summary["sweep"], key=lambda entry: -entry["mean"]):
+            print(
+                f"  {describe(entry['values'])}: {entry['mean']:.1f} ± {entry['std']:.1f}, "
+                f"{entry['solved_fraction']:.0%} of seeds >= {SOLVED_RETURN:g}",
+                flush=True,
+            )
+        write_sweep(out, config, summary["sweep"], [] if config.eval_only else rows)
     write_json(out / "summary.json", summary)
     if config.capture_gif:
-        render, seconds_per_frame = make_render(config)
-        first_seed = jax.tree.map(lambda x: x[0], params)
-        frames = jax.jit(render)(first_seed, keys.render[0])
+        render, seconds_per_frame = make_render(with_values(config, grid[0]))
+        first_run = jax.tree.map(lambda x: x[0], params)
+        frames = jax.jit(render)(first_run, keys.render[0])
         write_gif(out / "policy.gif", np.asarray(frames), seconds_per_frame)
     print(f"wrote {', '.join(sorted(path.name for path in out.iterdir()))} in {out}", flush=True)
     if summary["stopped_early"]:

@@ -387,7 +387,7 @@ def test_run_writes_every_output(finished_run):
     out, result = finished_run
     assert (
         result.stdout.startswith("compile cache: ")
-        and "MB per seed" in result.stdout
+        and "MB per run" in result.stdout
         and "compiled in" in result.stdout
         and "SPS" in result.stdout
     )

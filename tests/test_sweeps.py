@@ -1,0 +1,216 @@
+"""--sweep in every training script: what can be swept really is traced, bad grids are one-line
+usage errors before anything compiles, a grid point's run is the single command's run, and the
+sweep's report, checkpoint and --eval-only hold every run."""
+
+import csv
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
+# Small runs of two scripts (a SAC and a PPO one) that compile and train in seconds.
+TINY_FLAGS = {
+    "sac_pendulum": [
+        *("--num-envs", "4", "--total-timesteps", "384", "--log-every", "64"),
+        *("--learning-starts", "64", "--batch-size", "16", "--hidden-sizes", "16", "16"),
+        *("--buffer-size", "256", "--eval-episodes", "4", "--env.max-steps-in-episode", "20"),
+    ],
+    "ppo_cartpole": [
+        *("--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2"),
+        *("--update-epochs", "2", "--hidden-size", "16", "--log-every", "128"),
+        *("--total-timesteps", "256", "--eval-episodes", "2", "--env.max-steps-in-episode", "50"),
+    ],
+}
+
+
+def run(script: str, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / f"{script}.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def task_configs(module) -> list:
+    if hasattr(module, "default_config"):  # sac_cartpole: balance and swing-up
+        return [module.default_config(), module.default_config("CartPoleSwingup")]
+    return [module.Config()]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_sweepable_field_is_traced_through_training_and_evaluation(script):
+    """Each field --sweep accepts can be a traced value (one per run) in init, run_chunk and the
+    evaluation: no shape and no Python branch depends on it."""
+    module = importlib.import_module(script)
+    assert "learning_rate" in module.SWEEPABLE and "num_envs" not in module.SWEEPABLE
+    for config in task_configs(module):
+        keys = module.seed_keys(config)
+        for name in module.SWEEPABLE:
+            values = {name: jnp.full(1, 0.5)}
+
+            def init(key, values, config=config):
+                return module.make_train(module.with_values(config, values))[0](key)
+
+            def run_chunk(state, values, config=config):
+                return module.make_train(module.with_values(config, values))[1](state, 0)
+
+            def evaluate(params, key, values, config=config):
+                return module.make_evaluate(module.with_values(config, values))(params, key)
+
+            state = jax.eval_shape(jax.vmap(init), keys.train, values)
+            jax.eval_shape(jax.vmap(run_chunk), state, values)
+            params = module.trained_params(state)
+            jax.eval_shape(jax.vmap(evaluate), params, keys.evaluate, values)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(
+    "sweep, message",
+    [
+        (["num-envs=4,8"], "num-envs cannot be swept; these can: learning-rate, "),
+        (["learning-rate=1e-3,abc"], "expected learning-rate=V1,V2,... (numbers)"),
+        (["learning-rate="], "expected learning-rate=V1,V2,... (numbers)"),
+        (["learning-rate"], "expected learning-rate=V1,V2,... (numbers)"),
+        (["learning-rate=1e-3", "learning-rate=1e-2"], "learning-rate is swept twice"),
+        (["gamma=0.9,1.5"], "grid point 1 (gamma=1.5): --gamma must be in (0, 1], got 1.5"),
+    ],
+)
+def test_bad_grids_exit_2_with_one_line_before_compiling(
+    script, sweep, message, capsys, monkeypatch
+):
+    module = importlib.import_module(script)
+    monkeypatch.setattr(module.jax, "jit", None)  # nothing may be compiled on the way
+    with pytest.raises(SystemExit) as exit_:
+        module.main(module.parse_config(["--sweep", *sweep]))
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err.strip()
+    assert len(stderr.splitlines()) == 1 and message in stderr, stderr
+    assert stderr.startswith(f"{script}.py: error: --sweep ")
+
+
+def test_a_run_count_that_does_not_divide_over_the_devices_is_refused():
+    two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    flags = ["--sweep", "learning-rate=1e-3,2e-3,3e-3"]
+    result = run("sac_pendulum", *TINY_FLAGS["sac_pendulum"], *flags, env=two_devices)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "sac_pendulum.py: error: --sweep: 3 grid points x 1 seed(s) = 3 runs, not a multiple "
+        "of the 2 devices"
+    )
+
+
+def rows_of(path: Path) -> list[dict]:
+    return list(csv.DictReader(path.open()))
+
+
+METRICS = ["episode_return", "episode_length"]
+
+
+@pytest.mark.parametrize("script", ["sac_pendulum", "ppo_cartpole"])
+def test_a_grid_point_is_the_single_run_and_the_report_holds_every_run(script, tmp_path):
+    sweep_dir, single_dir, eval_dir = tmp_path / "sweep", tmp_path / "single", tmp_path / "eval"
+    flags = [*TINY_FLAGS[script], "--seed", "5", "--no-capture-gif"]
+    swept = run(
+        script,
+        *flags,
+        *("--sweep", "learning-rate=1e-3,1e-2", "--num-seeds", "2"),
+        *("--output-dir", str(sweep_dir)),
+    )
+    assert swept.returncode == 0, swept.stderr
+    assert "2 grid points x 2 seed(s)" in swept.stdout and "| best learning-rate=" in swept.stdout
+    single = run(
+        script,
+        *[flag if flag != "5" else "6" for flag in flags],  # seed 6: the sweep's second seed
+        *("--learning-rate", "1e-2", "--output-dir", str(single_dir), "--no-plot"),
+    )
+    assert single.returncode == 0, single.stderr
+
+    # (learning rate 1e-2, seed 6) of the sweep is the single run, to float tolerance
+    rows = rows_of(sweep_dir / "metrics.csv")
+    assert list(rows[0])[:3] == ["seed", "learning_rate", "env_steps"]
+    point = [row for row in rows if float(row["learning_rate"]) == 1e-2 and row["seed"] == "6"]
+    alone = rows_of(single_dir / "metrics.csv")
+    assert len(point) == len(alone) > 1
+    loss = next(name for name in ("critic_loss", "value_loss") if name in alone[0])
+    for name in [*METRICS, loss]:
+        np.testing.assert_allclose(
+            [float(row[name]) for row in point],
+            [float(row[name]) for row in alone],
+            rtol=1e-4,
+            atol=1e-5,
+        )
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    single_return = json.loads((single_dir / "summary.json").read_text())["final_returns"][0]
+    assert summary["final_returns"][3] == pytest.approx(single_return, rel=1e-4, abs=1e-3)
+
+    # the report: per grid point its values, each seed's final return, mean, std, solved share
+    report = summary["sweep"]
+    assert [entry["values"] for entry in report] == [
+        {"learning_rate": 1e-3},
+        {"learning_rate": 1e-2},
+    ]
+    for index, entry in enumerate(report):
+        returns = summary["final_returns"][2 * index : 2 * index + 2]
+        assert entry["final_returns"] == returns
+        assert entry["mean"] == pytest.approx(np.mean(returns))
+        assert entry["std"] == pytest.approx(np.std(returns))
+        assert 0 <= entry["solved_fraction"] <= 1
+    table = rows_of(sweep_dir / "sweep.csv")
+    assert [float(row["learning_rate"]) for row in table] == [1e-3, 1e-2]
+    assert float(table[1]["mean"]) == pytest.approx(report[1]["mean"])
+    assert (sweep_dir / "sweep.png").stat().st_size > 0
+
+    # the checkpoint holds every run with its grid point; --eval-only evaluates them all
+    payload = flax.serialization.msgpack_restore((sweep_dir / "model.msgpack").read_bytes())
+    assert [(run["learning_rate"], run["seed"]) for run in payload["runs"]] == [
+        (1e-3, 5),
+        (1e-3, 6),
+        (1e-2, 5),
+        (1e-2, 6),
+    ]
+    evaluated = run(
+        script,
+        *("--eval-only", "--load-model", str(sweep_dir / "model.msgpack")),
+        *("--output-dir", str(eval_dir), "--no-capture-gif"),
+        *("--eval-episodes", flags[flags.index("--eval-episodes") + 1]),
+    )
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert "evaluating 4 run(s)" in evaluated.stdout
+    again = json.loads((eval_dir / "summary.json").read_text())
+    assert again["final_returns"] == summary["final_returns"]
+    assert [entry["values"] for entry in again["sweep"]] == [entry["values"] for entry in report]
+
+
+@pytest.mark.parametrize("names", [1, 2, 3])
+def test_the_sweep_figure_for_one_two_and_more_swept_fields(names, tmp_path):
+    """sweep.png: a value axis (log where the values span a decade), a heatmap, a ranking."""
+    module = importlib.import_module("sac_pendulum")
+    fields = ["learning_rate", "tau", "env.g"][:names]
+    grid = [
+        dict(zip(fields, values, strict=True))
+        for values in np.stack(np.meshgrid(*[[0.001, 0.01, 0.1]] * names), -1).reshape(-1, names)
+    ]
+    rng = np.random.default_rng(0)
+    returns = rng.uniform(-1000, -100, size=len(grid) * 2)
+    report = module.sweep_report(grid, returns)
+    rows = [
+        {"seed": seed, **point, "env_steps": step, "episode_return": float(rng.uniform())}
+        for point in grid
+        for seed in (1, 2)
+        for step in (100, 200)
+    ]
+    module.write_sweep(tmp_path, module.Config(), report, rows)
+    assert len(rows_of(tmp_path / "sweep.csv")) == len(grid)
+    assert (tmp_path / "sweep.png").stat().st_size > 0
