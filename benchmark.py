@@ -7,6 +7,7 @@
     python benchmark.py solve             # each script's default run: seconds to the solved bar
     python benchmark.py launch            # launch to exit, compilation cache cold and warm
     python benchmark.py versus ../before  # against another checkout: train speed, cold launch
+    python benchmark.py sweep             # a --sweep grid in one process vs one process per run
     python benchmark.py all --quick       # envs, train, seeds, solve and launch, short
 
 `envs` steps every env of envs.py with random actions drawn on device and auto-reset on, as a
@@ -881,25 +882,32 @@ def add_versus_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_versus(args: argparse.Namespace) -> list[dict]:
     """This checkout against `baseline`, side by side in one run, round after round (baseline,
-    then this): each tree's own `benchmark.py train` at its default sizes (env steps/s), and
-    each script's default run launched cold (an empty compilation cache) to exit."""
+    then this): each tree's own `benchmark.py train` at --quick's sizes with default chunks (env
+    steps/s), and each script's default run launched cold (an empty compilation cache) to exit."""
     import subprocess
     import sys
     import tempfile
 
+    gpu = jax.devices()[0].platform != "cpu"
     trees = {"baseline": os.path.abspath(args.baseline), "this": os.path.dirname(__file__) or "."}
     trees["this"] = os.path.abspath(trees["this"])
     train = {name: [] for name in trees}
     launch = {(name, script): [] for name in trees for script in args.scripts}
     for _ in range(args.rounds):
         for name, tree in trees.items():
-            with tempfile.TemporaryDirectory() as out:
-                output = os.path.join(out, "rows.json")
-                command = [sys.executable, "benchmark.py", "--output", output, "train"]
-                command += ["--quick", "--scripts", *args.scripts]
-                subprocess.run(command, check=True, capture_output=True, cwd=tree)
-                with open(output) as file:
-                    train[name].append(json.load(file)["rows"])
+            # Each script at --quick's sizes, with the default (longer) chunks: a --quick chunk
+            # of SAC at 16 envs lasts ~6 ms, and its fixed costs dominate the median of 3.
+            rows_of_round = []
+            for script in args.scripts:
+                with tempfile.TemporaryDirectory() as out:
+                    output = os.path.join(out, "rows.json")
+                    sizes = [str(size) for size in train_sizes(script, quick=True, gpu=gpu)]
+                    command = [sys.executable, "benchmark.py", "--output", output, "train"]
+                    command += ["--scripts", script, "--num-envs", *sizes, "--repeats", "5"]
+                    subprocess.run(command, check=True, capture_output=True, cwd=tree)
+                    with open(output) as file:
+                        rows_of_round += json.load(file)["rows"]
+            train[name].append(rows_of_round)
             for script in args.scripts:
                 with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as out:
                     command = [sys.executable, f"{script}.py", "--output-dir", out]
@@ -960,6 +968,84 @@ def run_versus(args: argparse.Namespace) -> list[dict]:
         )
         print(f"  {row['library']:<13} {measure}: {row['ratio_to_baseline']:.2f}x", flush=True)
     return stamp(rows)
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--script", default="sac_pendulum", choices=SCRIPTS, help="script to sweep")
+    parser.add_argument(
+        "--sweep",
+        nargs="+",
+        default=["learning-rate=1e-3,3e-3", "tau=0.02,0.05"],
+        help="the grid, as the script's --sweep takes it",
+    )
+    parser.add_argument("--num-seeds", type=int, default=2, help="seeds per grid point")
+    parser.add_argument(
+        "--sweep-flags",
+        type=shlex.split,
+        default=[],
+        help="extra flags for every run, e.g. --sweep-flags='--total-timesteps 8000'",
+    )
+
+
+def run_sweep(args: argparse.Namespace) -> list[dict]:
+    """Wall time of a grid x seeds as one process (`--sweep`, one vmapped program) against the
+    same runs as one process each, one after another (what a launcher looping over the grid
+    does). Each side starts from an empty compilation cache (the single runs share theirs, so
+    from the second run on they load the program instead of compiling it). The final returns of
+    both are recorded side by side."""
+    import itertools
+    import tempfile
+
+    quiet = ["--no-capture-gif", "--no-plot", "--no-save-model", *args.sweep_flags]
+    with tempfile.TemporaryDirectory() as cache:
+        sweep_flags = ["--sweep", *args.sweep, "--num-seeds", str(args.num_seeds), *quiet]
+        sweep_seconds, summary = timed_default_run(args.script, cache, sweep_flags)
+    seed = importlib.import_module(args.script).Config().seed
+    names_and_values = [entry.split("=") for entry in args.sweep]
+    grid = itertools.product(*[values.split(",") for _, values in names_and_values])
+    single_seconds, single_returns = 0.0, []
+    with tempfile.TemporaryDirectory() as cache:
+        for point in grid:
+            point_flags = []
+            for (name, _), value in zip(names_and_values, point, strict=True):
+                point_flags += [f"--{name}", value]
+            for index in range(args.num_seeds):
+                flags = [*point_flags, "--seed", str(seed + index), *quiet]
+                seconds, single = timed_default_run(args.script, cache, flags)
+                single_seconds += seconds
+                single_returns += single["final_returns"]
+    runs = len(single_returns)
+    # Equal programs up to the last bits; over thousands of updates RL amplifies those bits, as it
+    # does for a seed of --num-seeds against its solo run, so the returns are recorded, not
+    # compared (tests/test_sweeps.py checks the equality on a short run).
+    differences = [
+        abs(a - b) for a, b in zip(summary["final_returns"], single_returns, strict=True)
+    ]
+    row = dict(
+        benchmark="sweep",
+        library=args.script,
+        env=args.script,
+        num_envs=summary["num_envs"],
+        num_seeds=runs,
+        sweep=args.sweep,
+        seeds_per_point=args.num_seeds,
+        extra_flags=args.sweep_flags,
+        sweep_seconds=round(sweep_seconds, 2),
+        single_runs_seconds=round(single_seconds, 2),
+        speedup=round(single_seconds / sweep_seconds, 2),
+        sweep_compile_seconds=round(summary["compile_seconds"], 2),
+        sweep_train_seconds=round(summary["train_seconds"], 2),
+        sweep_final_returns=[round(value, 2) for value in summary["final_returns"]],
+        single_final_returns=[round(value, 2) for value in single_returns],
+        median_return_difference=round(statistics.median(differences), 3),
+    )
+    print(
+        f"{args.script}: {runs} runs (--sweep {' '.join(args.sweep)} x {args.num_seeds} seeds) on "
+        f"{device_label()}: one process {sweep_seconds:.1f} s, {runs} processes one after another "
+        f"{single_seconds:.1f} s: {row['speedup']:.1f}x; final returns: median difference "
+        f"{row['median_return_difference']:g}"
+    )
+    return stamp([row])
 
 
 def stamp(rows: list[dict]) -> list[dict]:
@@ -1085,6 +1171,11 @@ SUBCOMMANDS: dict[
         "this checkout's train speed and cold launch against another checkout's, interleaved",
         add_versus_arguments,
         run_versus,
+    ),
+    "sweep": (
+        "a --sweep grid as one process against its runs as one process each",
+        add_sweep_arguments,
+        run_sweep,
     ),
     "all": ("envs, train, seeds, solve and launch", add_all_arguments, run_all),
 }

@@ -130,3 +130,23 @@ def test_launch_times_cold_and_warm_compile_caches(tmp_path: Path) -> None:
     assert row["cold_compile_seconds"] > 0 and row["warm_compile_seconds"] > 0
     assert len(row["final_returns"]) == 2
     check_stamped(rows)
+
+
+def test_sweep_times_one_program_against_one_process_per_run(tmp_path: Path) -> None:
+    """It also checks that the single runs end where the sweep's runs do."""
+    output = tmp_path / "benchmarks.json"
+    rows = benchmark(
+        output,
+        "sweep",
+        "--script",
+        "sac_pendulum",
+        "--sweep",
+        "tau=0.02,0.05",
+        "--num-seeds",
+        "1",
+        "--sweep-flags=--total-timesteps 2048 --log-every 1024 --eval-episodes 1",
+    )
+    (row,) = rows
+    assert row["benchmark"] == "sweep" and row["num_seeds"] == 2 and row["seeds_per_point"] == 1
+    assert row["sweep_seconds"] > 0 and row["single_runs_seconds"] > 0
+    check_stamped(rows)
