@@ -13,17 +13,19 @@ PPO iterations.
 
 import csv
 import dataclasses
+import importlib.util
 import io
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, get_type_hints
 
@@ -122,6 +124,14 @@ class Config:
     """a model.msgpack to evaluate with --eval-only"""
     eval_only: bool = False
     """evaluate (and render) the --load-model checkpoint instead of training"""
+    plot_every: float = 15.0
+    """seconds between redraws of curves.png while training (0: drawn at the end only)"""
+    live: bool = False
+    """show the first run's current policy after every chunk (live.gif, and a window beside the
+    return curves where a display exists)"""
+    track: bool = False
+    """write TensorBoard event files per run into the run's tensorboard/ (needs tensorboardX):
+    tensorboard --logdir runs"""
     compile_cache: bool = True
     """keep compiled programs in JAX's persistent cache ($JAX_COMPILATION_CACHE_DIR, else
     ~/.cache/jax-rl-scripts, at most 1 GiB)"""
@@ -787,6 +797,9 @@ EVAL_ONLY_FIELDS = (
     "eval_only",
     "save_model",
     "compile_cache",
+    "plot_every",
+    "live",
+    "track",
 )
 
 
@@ -814,6 +827,12 @@ def validate(config: Config) -> None:
         "seed",
         "in [0, 2**31 - num-seeds)",
         config.seed,
+    )
+    require(
+        config.plot_every >= 0,
+        "plot_every",
+        ">= 0 (seconds; 0: at the end only)",
+        config.plot_every,
     )
     require(0 < config.gamma <= 1, "gamma", "in (0, 1]", config.gamma)
     require(0 <= config.gae_lambda <= 1, "gae_lambda", "in [0, 1]", config.gae_lambda)
@@ -847,7 +866,11 @@ def float_fields(config_type: type, prefix: str = "") -> tuple[str, ...]:
 
 # Fields --sweep may vary: the floats (rates, coefficients, env physics) set no shape and no
 # Python branch, so they can be traced values inside the one vmapped program.
-SWEEPABLE = float_fields(Config) + float_fields(EnvConfig, "env.")
+SWEEPABLE = tuple(
+    name
+    for name in float_fields(Config) + float_fields(EnvConfig, "env.")
+    if name not in EVAL_ONLY_FIELDS  # --plot-every changes no run
+)
 Point = dict[str, float]  # one grid point: a value per swept field
 
 
@@ -984,6 +1007,22 @@ def sweep_report(grid: list[Point], returns: np.ndarray) -> list[dict]:
     ]
 
 
+def return_curves(rows: list[dict], swept: Sequence[str]) -> dict[str, tuple[list, list]]:
+    """Per grid point: the env steps of the chunks that ended episodes, and there the training
+    return averaged over the point's seeds."""
+    by_point: dict[str, dict[int, list[float]]] = {}
+    for row in rows:
+        if np.isfinite(row["episode_return"]):
+            point = describe({name: row[name] for name in swept})
+            by_point.setdefault(point, {}).setdefault(row["env_steps"], []).append(
+                row["episode_return"]
+            )
+    return {
+        point: (list(returns), [float(np.mean(values)) for values in returns.values()])
+        for point, returns in by_point.items()
+    }
+
+
 def write_sweep(out: Path, config: Config, report: list[dict], rows: list[dict]) -> None:
     """sweep.csv (a row per grid point) and, unless --no-plot, sweep.png: with one swept field
     the final return against its value and the return curves per value, with two a heatmap of
@@ -1020,17 +1059,9 @@ def write_sweep(out: Path, config: Config, report: list[dict], rows: list[dict])
         left.set(xlabel=names[0].replace("_", "-"), ylabel="final return")
         left.legend(fontsize="small")
         right.set_visible(bool(rows))
-        for value in values if rows else []:
-            runs = [
-                row for row in rows if row[names[0]] == value and np.isfinite(row["episode_return"])
-            ]
-            steps = sorted({row["env_steps"] for row in runs})  # chunks that ended episodes
-            curve = [
-                np.mean([row["episode_return"] for row in runs if row["env_steps"] == step])
-                for step in steps
-            ]
-            right.plot(steps, curve, label=f"{value:g}")
-            right.legend(title=names[0].replace("_", "-"), fontsize="small")
+        for point, (steps, returns) in return_curves(rows, names).items():
+            right.plot(steps, returns, label=point)
+            right.legend(fontsize="small")
         right.set(xlabel="env steps", ylabel="training return (mean over seeds)")
     elif len(names) == 2:
         rows_of, columns_of = ([entry["values"][name] for entry in report] for name in names)
@@ -1180,6 +1211,155 @@ def stop_on_ctrl_c() -> threading.Event:
     return stop
 
 
+def lower_priority() -> None:
+    """The drawing process runs at the lowest CPU priority: it takes what training leaves."""
+    if hasattr(os, "nice"):
+        os.nice(19)
+
+
+class Watch:
+    """What a run shows while it trains, off the chunk loop's critical path: curves.png at most
+    every --plot-every seconds; with --live the first run's current policy after every chunk
+    (live.gif, and a window where a display exists); with --track TensorBoard scalars per run
+    (one event directory per seed and grid point). A thread waits on the drawings, which a
+    second process at low priority makes: drawn on a thread of this one, matplotlib's Python
+    held the GIL that the chunk loop needs and cost a third of the training speed
+    (docs/benchmarks.md)."""
+
+    def __init__(self, config: Config, grid: list[Point], out: Path, keys: SeedKeys) -> None:
+        self.config = config
+        self.out = out
+        self.painter = ThreadPoolExecutor(1)
+        spawn = multiprocessing.get_context("spawn")  # forking a process that runs JAX can hang
+        self.drawer = ProcessPoolExecutor(1, mp_context=spawn, initializer=lower_priority)
+        self.drawing: Future | None = None
+        self.last_plot = time.perf_counter()
+        self.writers = open_tensorboard(config, grid, out) if config.track else []
+        self.window: LiveWindow | None = None
+        if config.live:
+            render, self.seconds_per_frame = make_render(with_values(config, grid[0]))
+            self.render = jax.jit(render)  # compiled once, on the painter thread
+            self.render_key = keys.render[0]
+            self.window = LiveWindow.open(f"{SCRIPT} on {env_name(config)}")
+
+    def after_chunk(self, rows: list[dict], new_rows: list[dict], state: TrainState) -> None:
+        """Log the chunk's rows to TensorBoard and, unless the last drawing is still busy, draw
+        what is due; returns at once."""
+        for writer, row in zip(self.writers, new_rows if self.writers else [], strict=True):
+            step = row["env_steps"]
+            for name in ("sps", *METRIC_COLUMNS):
+                if np.isfinite(row[name]):
+                    group = "losses" if name in LOSS_COLUMNS else "charts"
+                    writer.add_scalar(f"{group}/{name}", row[name], step)
+        if self.drawing is not None and not self.drawing.done():
+            return
+        now = time.perf_counter()
+        plot_due = self.config.plot and 0 < self.config.plot_every <= now - self.last_plot
+        if plot_due:
+            self.last_plot = now
+        params = None
+        if self.config.live:  # the first run's parameters, copied before the state is donated
+            params = jax.tree.map(lambda x: x[0], trained_params(state))
+        if plot_due or params is not None:
+            self.drawing = self.painter.submit(self.draw, list(rows), plot_due, params)
+
+    def draw(self, rows: list[dict], plot_due: bool, params: Params | None) -> None:
+        if plot_due:
+            self.drawer.submit(plot_curves, self.out / "curves.png", self.config, rows).result()
+        if params is not None:
+            frames = np.asarray(self.render(params, self.render_key))
+            gif = (self.out / "live.gif", frames, self.seconds_per_frame)
+            self.drawer.submit(write_gif, *gif).result()
+            if self.window is not None:
+                self.window.show(rows, frames)
+
+    def wait(self, future: Future) -> Any:
+        """The future's result; with the window open, its events run while the chunk does."""
+        while self.window is not None and not future.done():
+            if not self.window.tick(0.05):
+                print(f"{SCRIPT}: live window closed; training goes on", flush=True)
+                self.window = None
+        return future.result()
+
+    def settle(self) -> None:
+        """Wait for the drawing in progress (the final curves.png is drawn after it)."""
+        if self.drawing is not None:
+            self.drawing.result()
+        self.drawer.shutdown()
+
+    def close(self, steps: int, per_run: dict[str, np.ndarray]) -> None:
+        """Log the evaluation (per run, at the last env step) to TensorBoard and close it."""
+        for run, writer in enumerate(self.writers):
+            for name, values in per_run.items():
+                writer.add_scalar(f"eval/{name}", values[run], steps)
+            writer.close()
+
+
+def open_tensorboard(config: Config, grid: list[Point], out: Path) -> list:
+    """A tensorboardX writer per run in out/tensorboard/<seed and grid point>, each with the
+    config as text: `tensorboard --logdir runs` compares every run of every script."""
+    from tensorboardX import SummaryWriter  # optional: main checked that it is installed
+
+    text = "```\n" + json.dumps(dataclasses.asdict(config), indent=2) + "\n```"
+    writers = []
+    for point in grid:
+        for seed in range(config.seed, config.seed + config.num_seeds):
+            name = "_".join([f"seed{seed}", *describe(point).split()])
+            writer = SummaryWriter(str(out / "tensorboard" / name))
+            writer.add_text("config", text)
+            writers.append(writer)
+    return writers
+
+
+class LiveWindow:
+    """A matplotlib window: the return curve per grid point beside the first run's policy,
+    animated while training runs. Every call comes from the main thread (GUI toolkits need it)
+    except show(), which only hands over data."""
+
+    @staticmethod
+    def open(title: str) -> "LiveWindow | None":
+        import matplotlib.pyplot as plt
+
+        if plt.get_backend().lower() in ("agg", "pdf", "ps", "svg", "cairo", "template"):
+            print(f"{SCRIPT}: --live: no display here; live.gif shows the policy", flush=True)
+            return None
+        return LiveWindow(plt, title)
+
+    def __init__(self, plt: Any, title: str) -> None:
+        self.plt = plt
+        self.figure, (self.curves, self.policy) = plt.subplots(1, 2, figsize=(12, 4.5))
+        self.figure.suptitle(title)
+        self.image = None
+        self.latest: tuple[list[dict], np.ndarray] | None = None
+        self.shown_rows = 0
+        self.frame = 0
+        plt.show(block=False)
+
+    def show(self, rows: list[dict], frames: np.ndarray) -> None:
+        self.latest = (rows, frames)
+
+    def tick(self, seconds: float) -> bool:
+        """Redraw what changed and the next policy frame; False once the window is closed."""
+        if not self.plt.fignum_exists(self.figure.number):
+            return False
+        if self.latest is not None:
+            rows, frames = self.latest
+            if len(rows) != self.shown_rows:
+                self.shown_rows = len(rows)
+                self.curves.clear()
+                swept = [name for name in SWEEPABLE if name in rows[0]]
+                for point, (steps, returns) in return_curves(rows, swept).items():
+                    self.curves.plot(steps, returns, label=point or None)
+                self.curves.set(xlabel="env steps", ylabel="training return (mean over seeds)")
+            self.frame = (self.frame + 1) % len(frames)
+            if self.image is None:
+                self.image = self.policy.imshow(frames[0])
+                self.policy.set_axis_off()
+            self.image.set_data(frames[self.frame])
+        self.plt.pause(seconds)
+        return True
+
+
 def train_and_log(
     config: Config,
     grid: list[Point],
@@ -1187,6 +1367,7 @@ def train_and_log(
     out: Path,
     keys: PRNGKey,
     values: dict[str, Array],
+    watch: Watch,
 ):
     """The CLI's training: every run (grid point x seed) in one program, the jitted, vmapped
     run_chunk once per chunk with the state donated (the replay buffer is updated in place), a
@@ -1238,7 +1419,7 @@ def train_and_log(
     for chunk in range(num_chunks):
         state, metrics = chunk_fn(state, jnp.int32(chunk), values)
         # Waits for the chunk (a few numbers per seed come back) in a thread: Ctrl-C is heard now.
-        metrics = waiter.submit(jax.device_get, metrics).result()
+        metrics = watch.wait(waiter.submit(jax.device_get, metrics))
         now = time.perf_counter()
         elapsed = now - start
         sps = (int(metrics.env_steps[0]) - steps) / (now - last)
@@ -1261,6 +1442,7 @@ def train_and_log(
                 }
             )
         write_csv(out / "metrics.csv", rows, columns)  # every row so far: valid if the run stops
+        watch.after_chunk(rows, rows[-num_runs:], state)
         returns = metrics.episode_return
         shown = "-" if np.isnan(returns).all() else f"{np.nanmean(returns):.1f}"
         if num_runs > 1 and not np.isnan(returns).all():
@@ -1298,6 +1480,7 @@ def train_and_log(
         if stop.is_set():
             break
     train_seconds = time.perf_counter() - start
+    watch.settle()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     summary = {
         "train_seconds": train_seconds,
@@ -1319,6 +1502,8 @@ def main(config: Config) -> None:
         if config.eval_only:
             config, params = load_checkpoint(config)
         grid = sweep_grid(config)
+        if config.track and importlib.util.find_spec("tensorboardX") is None:
+            raise UsageError("--track needs tensorboardX: pip install tensorboardX")
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -1331,6 +1516,7 @@ def main(config: Config) -> None:
     num_runs = len(grid) * config.num_seeds
     keys = jax.device_put(seed_keys(config, len(grid)), sharding)
     values = jax.device_put(run_values(grid, config.num_seeds), sharding)
+    watch = Watch(config, grid, out, keys)
 
     def evaluate_run(params: Params, key: PRNGKey, values: dict[str, Array]) -> dict[str, Array]:
         return make_evaluate(with_values(config, values))(params, key)
@@ -1346,7 +1532,9 @@ def main(config: Config) -> None:
         params_shape = jax.eval_shape(jax.vmap(lambda key: trained_params(init(key))), keys.train)
         evaluate = evaluate.lower(params_shape, keys.evaluate, values)
         evaluate = ThreadPoolExecutor(1).submit(evaluate.compile)
-        state, rows, train_summary = train_and_log(config, grid, sharding, out, keys.train, values)
+        state, rows, train_summary = train_and_log(
+            config, grid, sharding, out, keys.train, values, watch
+        )
         evaluate = evaluate.result()
         params = trained_params(state)
         summary |= train_summary
@@ -1356,6 +1544,7 @@ def main(config: Config) -> None:
             plot_curves(out / "curves.png", config, rows)
     evaluation = jax.device_get(evaluate(params, keys.evaluate, values))
     per_run = {name: np.asarray(values).mean(axis=1) for name, values in evaluation.items()}
+    watch.close(summary.get("env_steps", 0), per_run)
     returns = per_run["episode_return"]
     solved = int((returns >= SOLVED_RETURN).sum())
     extras = {name: values for name, values in per_run.items() if name != "episode_return"}
