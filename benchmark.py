@@ -1040,10 +1040,10 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
         median_return_difference=round(statistics.median(differences), 3),
     )
     print(
-        f"{args.script}: {runs} runs (--sweep {' '.join(args.sweep)} x {args.num_seeds} seeds) on "
-        f"{device_label()}: one process {sweep_seconds:.1f} s, {runs} processes one after another "
-        f"{single_seconds:.1f} s: {row['speedup']:.1f}x; final returns: median difference "
-        f"{row['median_return_difference']:g}"
+        f"{args.script}: {runs} runs (--sweep {' '.join(args.sweep)} x {args.num_seeds} "
+        f"seed(s)) on {device_label()}: one process {sweep_seconds:.1f} s, {runs} processes one "
+        f"after another {single_seconds:.1f} s: {row['speedup']:.1f}x; final returns: median "
+        f"difference {row['median_return_difference']:g}"
     )
     return stamp([row])
 

@@ -779,13 +779,16 @@ def sweep_grid(config: Config) -> list[Point]:
             values[name] = [float(value) for value in listed.split(",")]
         except ValueError:
             raise UsageError(f"--sweep {entry}: expected {flag}=V1,V2,... (numbers)") from None
+        if len(set(values[name])) < len(values[name]):
+            raise UsageError(f"--sweep {entry}: a value of {flag} is listed twice")
     combinations = itertools.product(*values.values())
     grid = [dict(zip(values, combination, strict=True)) for combination in combinations]
-    for index, point in enumerate(grid):
+    for number, point in enumerate(grid, start=1):
         try:
             validate(with_values(config, point))
         except UsageError as error:
-            raise UsageError(f"--sweep grid point {index} ({describe(point)}): {error}") from None
+            where = f"grid point {number} of {len(grid)} ({describe(point)})"
+            raise UsageError(f"--sweep {where}: {error}") from None
     runs = len(grid) * config.num_seeds
     devices = jax.device_count()
     if runs % devices and config.sweep:
@@ -910,8 +913,8 @@ def write_sweep(out: Path, config: Config, report: list[dict], rows: list[dict])
     table = [
         {
             **entry["values"],
-            "mean": entry["mean"],
-            "std": entry["std"],
+            "mean": round(entry["mean"], 3),  # summary.json keeps every digit
+            "std": round(entry["std"], 3),
             "solved_fraction": entry["solved_fraction"],
             "final_returns": " ".join(f"{value:g}" for value in entry["final_returns"]),
         }
@@ -922,9 +925,9 @@ def write_sweep(out: Path, config: Config, report: list[dict], rows: list[dict])
         return
     means = np.array([entry["mean"] for entry in report])
     title = f"{SCRIPT} on {env_name(config)}: final return, {config.num_seeds} seed(s) per point"
-    if len(names) == 1:
-        figure = Figure(figsize=(12, 4), layout="constrained")
-        left, right = figure.subplots(1, 2)
+    if len(names) == 1:  # with the training curves beside, when there are rows (not --eval-only)
+        figure = Figure(figsize=(12 if rows else 6, 4), layout="constrained")
+        left, right = figure.subplots(1, 2) if rows else (figure.subplots(), None)
         values = np.array([entry["values"][names[0]] for entry in report])
         for value, entry in zip(values, report, strict=True):
             seeds = entry["final_returns"]
@@ -935,11 +938,11 @@ def write_sweep(out: Path, config: Config, report: list[dict], rows: list[dict])
         left.axhline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
         left.set(xlabel=names[0].replace("_", "-"), ylabel="final return")
         left.legend(fontsize="small")
-        right.set_visible(bool(rows))
         for point, (steps, returns) in return_curves(rows, names).items():
             right.plot(steps, returns, label=point)
             right.legend(fontsize="small")
-        right.set(xlabel="env steps", ylabel="training return (mean over seeds)")
+        if right is not None:
+            right.set(xlabel="env steps", ylabel="training return (mean over seeds)")
     elif len(names) == 2:
         rows_of, columns_of = ([entry["values"][name] for entry in report] for name in names)
         row_values, column_values = sorted(set(rows_of)), sorted(set(columns_of))
@@ -1124,7 +1127,7 @@ class Watch:
         what is due; returns at once."""
         for writer, row in zip(self.writers, new_rows if self.writers else [], strict=True):
             step = row["env_steps"]
-            for name in ("sps", *METRIC_COLUMNS):
+            for name in ("updates", "wall_seconds", "sps", *METRIC_COLUMNS):
                 if np.isfinite(row[name]):
                     group = "losses" if name in LOSS_COLUMNS else "charts"
                     writer.add_scalar(f"{group}/{name}", row[name], step)
