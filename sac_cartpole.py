@@ -1135,8 +1135,11 @@ def stop_on_ctrl_c() -> threading.Event:
     return stop
 
 
-def lower_priority() -> None:
-    """The drawing process runs at the lowest CPU priority: it takes what training leaves."""
+def start_drawing_process() -> None:
+    """The drawing process runs at the lowest CPU priority (it takes what training leaves) and
+    ignores Ctrl-C: a terminal sends it to every process of the run, and the training process
+    decides when to stop (after the chunk, with every output written)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(os, "nice"):
         os.nice(19)
 
@@ -1155,7 +1158,7 @@ class Watch:
         self.out = out
         self.painter = ThreadPoolExecutor(1)
         spawn = multiprocessing.get_context("spawn")  # forking a process that runs JAX can hang
-        self.drawer = ProcessPoolExecutor(1, mp_context=spawn, initializer=lower_priority)
+        self.drawer = ProcessPoolExecutor(1, mp_context=spawn, initializer=start_drawing_process)
         self.drawing: Future | None = None
         self.last_plot = time.perf_counter()
         self.writers = open_tensorboard(config, grid, out) if config.track else []

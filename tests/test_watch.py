@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -156,3 +157,35 @@ def test_the_live_window_animates_and_training_goes_on_when_it_is_closed(capsys)
     future = ThreadPoolExecutor(1).submit(time.sleep, 0.05)
     assert watch.wait(future) is None and watch.window is None
     assert "live window closed; training goes on" in capsys.readouterr().out
+
+
+def test_ctrl_c_from_a_terminal_stops_the_run_with_its_drawing_process(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group, the drawing process too: the run
+    still stops after the chunk, writes everything and exits with 130."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "sac_pendulum.py"),
+            *TINY_FLAGS["sac_pendulum"],
+            *("--total-timesteps", "400000", "--plot-every", "0.001", "--live"),
+            *("--output-dir", str(tmp_path)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        env={**os.environ, "MPLBACKEND": "agg"},
+    )
+    progress = 0
+    for line in process.stdout:
+        progress += line.startswith("steps")
+        if progress == 20 and (tmp_path / "live.gif").exists():  # the drawing process is up
+            os.killpg(process.pid, signal.SIGINT)
+            break
+        if progress == 20:
+            progress -= 1  # wait for the first drawing
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stderr
+    assert "stopping after this chunk" in stdout and "Traceback" not in stderr
+    for name in ["metrics.csv", "curves.png", "live.gif", "summary.json", "policy.gif"]:
+        assert (tmp_path / name).exists(), name
