@@ -1442,4 +1442,9 @@ def parse_config(args: Sequence[str] | None = None) -> Config:
 
 
 if __name__ == "__main__":
-    main(parse_config())
+    try:
+        config = parse_config()
+    except BrokenPipeError:  # `--help | head` closed the pipe: end quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    main(config)
