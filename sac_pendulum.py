@@ -1128,12 +1128,8 @@ class Watch:
     def after_chunk(self, rows: list[dict], new_rows: list[dict], state: TrainState) -> None:
         """Log the chunk's rows to TensorBoard and, unless the last drawing is still busy, draw
         what is due; returns at once."""
-        for writer, row in zip(self.writers, new_rows if self.writers else [], strict=True):
-            step = row["env_steps"]
-            for name in ("updates", "wall_seconds", "sps", *METRIC_COLUMNS):
-                if np.isfinite(row[name]):
-                    group = "losses" if name in LOSS_COLUMNS else "charts"
-                    writer.add_scalar(f"{group}/{name}", row[name], step)
+        if self.writers:
+            self.log(new_rows)
         if self.drawing is not None and not self.drawing.done():
             return
         now = time.perf_counter()
@@ -1145,6 +1141,14 @@ class Watch:
             params = jax.tree.map(lambda x: x[0], trained_params(state))
         if plot_due or params is not None:
             self.drawing = self.painter.submit(self.draw, list(rows), plot_due, params)
+
+    def log(self, new_rows: list[dict]) -> None:
+        """Every metrics.csv column of the chunk as a TensorBoard scalar, a row per run."""
+        for writer, row in zip(self.writers, new_rows, strict=True):
+            for name in ("updates", "wall_seconds", "sps", *METRIC_COLUMNS):
+                if np.isfinite(row[name]):
+                    group = "losses" if name in LOSS_COLUMNS else "charts"
+                    writer.add_scalar(f"{group}/{name}", row[name], row["env_steps"])
 
     def draw(self, rows: list[dict], plot_due: bool, params: Params | None) -> None:
         if plot_due:

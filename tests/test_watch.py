@@ -15,20 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
+import test_sac_pendulum
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
+# Small runs of a SAC and a PPO script, as each script's own tests define them.
 TINY_FLAGS = {
-    "sac_pendulum": [
-        *("--num-envs", "4", "--total-timesteps", "384", "--log-every", "64"),
-        *("--learning-starts", "64", "--batch-size", "16", "--hidden-sizes", "16", "16"),
-        *("--buffer-size", "256", "--eval-episodes", "4", "--env.max-steps-in-episode", "20"),
-    ],
-    "ppo_cartpole": [
-        *("--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2"),
-        *("--update-epochs", "2", "--hidden-size", "16", "--log-every", "128"),
-        *("--total-timesteps", "256", "--eval-episodes", "2", "--env.max-steps-in-episode", "50"),
-    ],
+    "sac_pendulum": test_sac_pendulum.TINY_FLAGS,
+    "ppo_cartpole": test_ppo_cartpole.TINY_FLAGS,
 }
 
 
