@@ -8,6 +8,7 @@
     python benchmark.py launch            # launch to exit, compilation cache cold and warm
     python benchmark.py versus ../before  # against another checkout: train speed, cold launch
     python benchmark.py sweep             # a --sweep grid in one process vs one process per run
+    python benchmark.py distributed       # the same runs in one process vs two (--distributed)
     python benchmark.py all --quick       # envs, train, seeds, solve and launch, short
 
 `envs` steps every env of envs.py with random actions drawn on device and auto-reset on, as a
@@ -798,25 +799,51 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def timed_default_run(script: str, cache_dir: str, flags: list[str]) -> tuple[float, dict]:
+def timed_default_run(
+    script: str,
+    cache_dir: str,
+    flags: list[str],
+    processes: int = 1,
+    environment: dict[str, str] | None = None,
+) -> tuple[float, dict]:
     """(seconds from launch to exit, summary.json) of `python script.py` in a fresh process, with
-    every output it writes by default, and JAX's compilation cache in `cache_dir`."""
+    every output it writes by default, and JAX's compilation cache in `cache_dir`. With
+    `processes` > 1, that many processes on this machine run it --distributed (127.0.0.1), and
+    the seconds last until the last one exits."""
+    import socket
     import subprocess
     import sys
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, f"{script}.py", "--output-dir", out, *flags]
-        environment = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir}
+        if processes > 1:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                address = f"127.0.0.1:{probe.getsockname()[1]}"
+            command += ["--distributed", "--coordinator-address", address]
+            command += ["--num-processes", str(processes)]
+        commands = [[*command, "--process-id", str(index)] for index in range(processes)]
+        environment = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir, **(environment or {})}
+        errors = [tempfile.TemporaryFile() for _ in commands]  # files: a full pipe would block
         start = time.perf_counter()
-        subprocess.run(
-            command,
-            check=True,
-            capture_output=True,
-            env=environment,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        )
+        running = [
+            subprocess.Popen(
+                command if processes == 1 else commands[index],
+                stdout=subprocess.DEVNULL,
+                stderr=errors[index],
+                env=environment,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            )
+            for index in range(processes)
+        ]
+        for process, error in zip(running, errors, strict=True):
+            if process.wait() != 0:
+                error.seek(0)
+                raise RuntimeError(f"{process.args} failed:\n{error.read().decode()}")
         seconds = time.perf_counter() - start
+        for error in errors:
+            error.close()
         with open(os.path.join(out, "summary.json")) as file:
             return seconds, json.load(file)
 
@@ -1048,6 +1075,87 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
     return stamp([row])
 
 
+def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--scripts", nargs="+", default=["sac_pendulum", "ppo_cartpole"], choices=SCRIPTS
+    )
+    parser.add_argument("--num-seeds", type=int, default=8, help="runs, the same on both sides")
+    parser.add_argument("--processes", type=int, default=2, help="processes of the distributed run")
+    parser.add_argument(
+        "--devices-per-process", type=int, default=1, help="CPU devices of each process"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side (median reported)")
+    parser.add_argument(
+        "--run-flags",
+        type=shlex.split,
+        default=[],
+        help="extra flags for every run, e.g. --run-flags='--total-timesteps 8000'",
+    )
+
+
+def run_distributed(args: argparse.Namespace) -> list[dict]:
+    """Launch to exit of the same runs (--num-seeds) as one process with every CPU device, and as
+    --processes processes on this machine (--distributed over 127.0.0.1) with the devices split
+    between them, interleaved, each from an empty compilation cache. On CPU only: a CPU device
+    count is what XLA can split; several GPU processes need a GPU each."""
+    import tempfile
+
+    devices = args.processes * args.devices_per_process
+    quiet = ["--no-capture-gif", "--no-plot", "--no-save-model", "--num-seeds", str(args.num_seeds)]
+    rows = []
+    for script in args.scripts:
+        sides: dict[int, list[tuple[float, dict]]] = {1: [], args.processes: []}
+        for _ in range(args.repeats):
+            for processes in sides:
+                flags = f"--xla_force_host_platform_device_count={devices // processes}"
+                environment = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+                with tempfile.TemporaryDirectory() as cache:
+                    sides[processes].append(
+                        timed_default_run(
+                            script, cache, [*quiet, *args.run_flags], processes, environment
+                        )
+                    )
+        one, many = (
+            {
+                "seconds": statistics.median(seconds for seconds, _ in runs),
+                "compile": statistics.median(summary["compile_seconds"] for _, summary in runs),
+                "train": statistics.median(summary["train_seconds"] for _, summary in runs),
+                "returns": runs[0][1]["final_returns"],
+            }
+            for runs in sides.values()
+        )
+        differences = [abs(a - b) for a, b in zip(one["returns"], many["returns"], strict=True)]
+        row = dict(
+            benchmark="distributed",
+            library=script,
+            env=script,
+            num_envs=sides[1][0][1]["num_envs"],
+            num_seeds=args.num_seeds,
+            processes=args.processes,
+            devices=devices,
+            repeats=args.repeats,
+            extra_flags=args.run_flags,
+            one_process_seconds=round(one["seconds"], 2),
+            distributed_seconds=round(many["seconds"], 2),
+            ratio=round(many["seconds"] / one["seconds"], 3),
+            one_process_compile_seconds=round(one["compile"], 2),
+            distributed_compile_seconds=round(many["compile"], 2),
+            one_process_train_seconds=round(one["train"], 2),
+            distributed_train_seconds=round(many["train"], 2),
+            median_return_difference=round(statistics.median(differences), 3),
+        )
+        rows.append(row)
+        print(
+            f"{script}: {args.num_seeds} runs on {devices} CPU devices, median of {args.repeats}: "
+            f"one process {one['seconds']:.1f} s (compile {one['compile']:.1f}, train "
+            f"{one['train']:.1f}), {args.processes} processes {many['seconds']:.1f} s (compile "
+            f"{many['compile']:.1f}, train {many['train']:.1f}): {row['ratio']:.2f}x; final "
+            f"returns: median difference {row['median_return_difference']:g}",
+            flush=True,
+        )
+    return stamp(rows)
+
+
 def stamp(rows: list[dict]) -> list[dict]:
     """Device, JAX version and date on every row."""
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -1176,6 +1284,11 @@ SUBCOMMANDS: dict[
         "a --sweep grid as one process against its runs as one process each",
         add_sweep_arguments,
         run_sweep,
+    ),
+    "distributed": (
+        "the same runs as one process and as several (--distributed on this machine's CPU)",
+        add_distributed_arguments,
+        run_distributed,
     ),
     "all": ("envs, train, seeds, solve and launch", add_all_arguments, run_all),
 }

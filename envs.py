@@ -471,7 +471,9 @@ class Pendulum(Environment):
 # ---------------------------------------------------------------------------------------------
 
 # Absolute moves: 0 up, 1 right, 2 down, 3 left, as (row, col) offsets.
-SNAKE_MOVES = jnp.array([[-1, 0], [0, 1], [1, 0], [0, -1]], jnp.int32)
+# Plain tuples: an array made at import would start JAX's backend, and a --distributed run must
+# join its processes before that.
+SNAKE_MOVES = ((-1, 0), (0, 1), (1, 0), (0, -1))
 
 
 @struct.dataclass
@@ -563,7 +565,7 @@ class Snake(Environment):
         action = jnp.clip(jnp.asarray(action, jnp.int32).reshape(()), 0, 3)
         turns_back = ((action + 2) % 4 == state.direction) & (state.length > 1)
         direction = jnp.where(turns_back, state.direction, action)
-        new_head = state.head + SNAKE_MOVES[direction]
+        new_head = state.head + jnp.array(SNAKE_MOVES, jnp.int32)[direction]
         hits_wall = jnp.any((new_head < 0) | (new_head >= size))
         eats = jnp.all(new_head == state.food)
         entered = _cell_mask(size, new_head)

@@ -39,6 +39,7 @@ import optax
 import tyro
 from chex import Array, PRNGKey
 from flax import struct
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import envs
@@ -132,6 +133,18 @@ class Config:
     track: bool = False
     """write TensorBoard event files per run into the run's tensorboard/ (needs tensorboardX):
     tensorboard --logdir runs"""
+    distributed: bool = False
+    """run over every device of several processes or hosts with JAX's distributed runtime
+    (docs/distributed.md): the cluster (SLURM, Open MPI, ...) is detected, or given by the three
+    flags below"""
+    coordinator_address: str | None = None
+    """HOST:PORT of process 0 of a --distributed run, which every process reaches"""
+    num_processes: int | None = None
+    """processes of a --distributed run"""
+    process_id: int | None = None
+    """this process's index in a --distributed run, in [0, --num-processes)"""
+    coordinator_timeout: float = 120.0
+    """seconds a --distributed process waits for all the others to join before it gives up"""
     compile_cache: bool = True
     """keep compiled programs in JAX's persistent cache ($JAX_COMPILATION_CACHE_DIR, else
     ~/.cache/jax-rl-scripts, at most 1 GiB)"""
@@ -718,6 +731,11 @@ EVAL_ONLY_FIELDS = (
     "plot_every",
     "live",
     "track",
+    "distributed",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+    "coordinator_timeout",
 )
 
 
@@ -750,6 +768,20 @@ def validate(config: Config) -> None:
         "plot_every",
         ">= 0 (seconds; 0: at the end only)",
         config.plot_every,
+    )
+    cluster = (config.coordinator_address, config.num_processes, config.process_id)
+    if not config.distributed and cluster != (None, None, None):
+        raise UsageError(
+            "--coordinator-address, --num-processes and --process-id go with --distributed"
+        )
+    if config.num_processes is not None:
+        require(config.num_processes >= 1, "num_processes", ">= 1", config.num_processes)
+    if config.process_id is not None:
+        count = config.num_processes
+        allowed = f"in [0, {count}) (--num-processes {count})" if count else ">= 0"
+        require(0 <= config.process_id < (count or 2**31), "process_id", allowed, config.process_id)
+    require(
+        config.coordinator_timeout > 0, "coordinator_timeout", "> 0", config.coordinator_timeout
     )
     require(0 < config.gamma <= 1, "gamma", "in (0, 1]", config.gamma)
     require(0 < config.tau <= 1, "tau", "in (0, 1]", config.tau)
@@ -832,11 +864,13 @@ def sweep_grid(config: Config) -> list[Point]:
             where = f"grid point {number} of {len(grid)} ({describe(point)})"
             raise UsageError(f"--sweep {where}: {error}") from None
     runs = len(grid) * config.num_seeds
-    devices = jax.device_count()
+    devices = jax.device_count()  # of every process
+    processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
     if runs % devices and config.sweep:
         message = f"{len(grid)} grid points x {config.num_seeds} seed(s) = {runs} runs"
-        raise UsageError(f"--sweep: {message}, not a multiple of the {devices} devices")
-    require(runs % devices == 0, "num_seeds", f"a multiple of the {devices} devices", runs)
+        raise UsageError(f"--sweep: {message}, not a multiple of the {devices} devices{processes}")
+    multiple = f"a multiple of the {devices} devices{processes}"
+    require(runs % devices == 0, "num_seeds", multiple, runs)
     return grid
 
 
@@ -860,6 +894,59 @@ def enable_compile_cache(config: Config) -> str:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_compilation_cache_max_size", 2**30)  # the least recently used go first
     return path
+
+
+def start_distributed(config: Config) -> None:
+    """Join JAX's distributed runtime, before anything touches a device: jax.devices() then
+    lists every device of every process. UsageError without a cluster to detect and without
+    --coordinator-address; ends the process with one line when the processes have not all
+    joined within --coordinator-timeout (jax itself would abort with a C++ stack trace)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPUs across processes
+
+    def give_up() -> None:
+        at = f" at {config.coordinator_address}" if config.coordinator_address else ""
+        print(
+            f"{SCRIPT}.py: error: --distributed: the processes did not all reach the coordinator"
+            f"{at} within {config.coordinator_timeout:g} s (--coordinator-timeout); is every "
+            "process started, with the same --coordinator-address and --num-processes?",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(2)  # the main thread waits inside jax's C++ client: no exception reaches it
+
+    timer = threading.Timer(config.coordinator_timeout, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(
+            config.coordinator_address,
+            config.num_processes,
+            config.process_id,
+            initialization_timeout=int(config.coordinator_timeout) + 60,  # the timer ends first
+        )
+    except ValueError as error:  # no cluster detected and not enough flags to go without one
+        flags = "--coordinator-address HOST:PORT --num-processes N --process-id I"
+        message = f"no cluster detected (SLURM, Open MPI, ...) and not all of {flags}"
+        raise UsageError(f"--distributed: {message} ({error})") from None
+    finally:
+        timer.cancel()
+
+
+def is_lead() -> bool:
+    """Process 0 prints and writes for every process (the only process without --distributed)."""
+    return jax.process_index() == 0
+
+
+def fetch(tree: Any) -> Any:
+    """Every run's values as numpy arrays, on every process: without --distributed a copy from
+    the devices, with it a collective that every process calls at the same point."""
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def first_run(tree: Any) -> Any:
+    """Run 0 of every array, from the first device of process 0 (the lead process takes it
+    without the others)."""
+    return jax.tree.map(lambda x: x.addressable_data(0)[0], tree)
 
 
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
@@ -1101,7 +1188,7 @@ def load_checkpoint(config: Config) -> tuple[Config, Params]:
     evaluation = {name: getattr(config, name) for name in EVAL_ONLY_FIELDS}
     config = dataclasses.replace(saved, **evaluation)
     validate(config)  # e.g. its seeds on the devices visible now
-    return config, jax.tree.map(jnp.asarray, payload["params"])
+    return config, payload["params"]  # numpy arrays: main puts each process's runs on its devices
 
 
 class SeedKeys(NamedTuple):
@@ -1148,30 +1235,34 @@ class Watch:
     """What a run shows while it trains, off the chunk loop's critical path: curves.png at most
     every --plot-every seconds; with --live the first run's current policy after every chunk
     (live.gif, and a window where a display exists); with --track TensorBoard scalars per run
-    (one event directory per seed and grid point). A thread waits on the drawings, which a
-    second process at low priority makes: drawn on a thread of this one, matplotlib's Python
-    held the GIL that the chunk loop needs and cost a third of the training speed
-    (docs/benchmarks.md)."""
+    (one event directory per seed and grid point). Only the lead process shows anything. A
+    thread waits on the drawings, which a second process at low priority makes: drawn on a
+    thread of this one, matplotlib's Python held the GIL that the chunk loop needs and cost a
+    third of the training speed (docs/benchmarks.md)."""
 
     def __init__(self, config: Config, grid: list[Point], out: Path, keys: SeedKeys) -> None:
         self.config = config
         self.out = out
+        self.shows = is_lead()
         self.painter = ThreadPoolExecutor(1)
         spawn = multiprocessing.get_context("spawn")  # forking a process that runs JAX can hang
         self.drawer = ProcessPoolExecutor(1, mp_context=spawn, initializer=start_drawing_process)
         self.drawing: Future | None = None
         self.last_plot = time.perf_counter()
-        self.writers = open_tensorboard(config, grid, out) if config.track else []
+        self.writers = open_tensorboard(config, grid, out) if config.track and self.shows else []
         self.window: LiveWindow | None = None
-        if config.live:
+        if config.live and self.shows:
             render, self.seconds_per_frame = make_render(with_values(config, grid[0]))
             self.render = jax.jit(render)  # compiled once, on the painter thread
-            self.render_key = keys.render[0]
+            self.render_key = first_run(keys.render)
             self.window = LiveWindow.open(f"{SCRIPT} on {env_name(config)}")
 
     def after_chunk(self, rows: list[dict], new_rows: list[dict], state: TrainState) -> None:
-        """Log the chunk's rows to TensorBoard and, unless the last drawing is still busy, draw
-        what is due; returns at once."""
+        """Write metrics.csv, log the chunk's rows to TensorBoard and, unless the last drawing
+        is still busy, draw what is due; returns at once."""
+        if not self.shows:
+            return
+        write_csv(self.out / "metrics.csv", rows, list(rows[0]))  # valid if the run stops
         if self.writers:
             self.log(new_rows)
         if self.drawing is not None and not self.drawing.done():
@@ -1182,7 +1273,7 @@ class Watch:
             self.last_plot = now
         params = None
         if self.config.live:  # the first run's parameters, copied before the state is donated
-            params = jax.tree.map(lambda x: x[0], trained_params(state))
+            params = first_run(trained_params(state))
         if plot_due or params is not None:
             self.drawing = self.painter.submit(self.draw, list(rows), plot_due, params)
 
@@ -1311,16 +1402,24 @@ def train_and_log(
     def run_chunk(state: TrainState, chunk: Array, values: dict[str, Array]):
         return make_train(with_values(config, values))[1](state, chunk)
 
+    def gather(metrics: Metrics, stop: threading.Event) -> tuple[Metrics, bool]:
+        """Every run's metrics of the chunk, and whether any process was asked to stop."""
+        jax.block_until_ready(metrics)  # Ctrl-C during the chunk counts for this chunk
+        metrics, stops = fetch((metrics, np.array([stop.is_set()])))
+        return metrics, bool(stops.any())
+
     iterations_per_chunk, num_chunks = chunk_sizes(config)
     num_runs = len(grid) * config.num_seeds
     state_shape = jax.eval_shape(jax.vmap(init), keys, values)
     state_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state_shape)) / 2**20
     devices = sharding.mesh.devices.flat
     points = f"{len(grid)} grid points x " if config.sweep else ""
+    processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
     print(
         f"{SCRIPT}: {env_name(config)}, {points}{config.num_seeds} seed(s) x {config.num_envs} "
-        f"envs on {sharding.mesh.size} device(s) ({devices[0].device_kind}), {num_chunks} chunks "
-        f"of {iterations_per_chunk} iterations; train state {state_mb / num_runs:.1f} MB per run",
+        f"envs on {sharding.mesh.size} device(s){processes} ({devices[0].device_kind}), "
+        f"{num_chunks} chunks of {iterations_per_chunk} iterations; train state "
+        f"{state_mb / num_runs:.1f} MB per run",
         flush=True,
     )
     start = time.perf_counter()
@@ -1341,7 +1440,6 @@ def train_and_log(
 
     stop = stop_on_ctrl_c()
     waiter = ThreadPoolExecutor(1)
-    columns = ("seed", *grid[0], *CSV_COLUMNS[1:])  # the swept values after the seed
     rows: list[dict] = []
     steps = 0
     updates = 0
@@ -1349,8 +1447,8 @@ def train_and_log(
     last = start
     for chunk in range(num_chunks):
         state, metrics = chunk_fn(state, jnp.int32(chunk), values)
-        # Waits for the chunk (a few numbers per seed come back) in a thread: Ctrl-C is heard now.
-        metrics = watch.wait(waiter.submit(jax.device_get, metrics))
+        # Waits for the chunk (a few numbers per run come back) in a thread: Ctrl-C is heard now.
+        metrics, stopped = watch.wait(waiter.submit(gather, metrics, stop))
         now = time.perf_counter()
         elapsed = now - start
         sps = (int(metrics.env_steps[0]) - steps) / (now - last)
@@ -1362,7 +1460,7 @@ def train_and_log(
         for run in range(num_runs):
             row = {name: float(getattr(metrics, name)[run]) for name in METRIC_COLUMNS}
             rows.append(
-                {
+                {  # the metrics.csv columns, in order: the swept values after the seed
                     "seed": config.seed + run % config.num_seeds,
                     **grid[run // config.num_seeds],
                     "env_steps": steps,
@@ -1372,7 +1470,6 @@ def train_and_log(
                     **row,
                 }
             )
-        write_csv(out / "metrics.csv", rows, columns)  # every row so far: valid if the run stops
         watch.after_chunk(rows, rows[-num_runs:], state)
         returns = metrics.episode_return
         shown = "-" if np.isnan(returns).all() else f"{np.nanmean(returns):.1f}"
@@ -1402,13 +1499,16 @@ def train_and_log(
                 run = int(np.argmin(ok))
                 seed = config.seed + run % config.num_seeds
                 point = f" ({describe(grid[run // config.num_seeds])})" if config.sweep else ""
-                print(
-                    f"{SCRIPT}: non-finite {name} in chunk {chunk + 1}, seed {seed}{point}; "
-                    f"stopped (the files in {out} hold the chunks so far)",
-                    file=sys.stderr,
-                )
+                if is_lead():  # every process stops here: they all have every run's metrics
+                    print(
+                        f"{SCRIPT}: non-finite {name} in chunk {chunk + 1}, seed {seed}{point}; "
+                        f"stopped (the files in {out} hold the chunks so far)",
+                        file=sys.stderr,
+                    )
                 sys.exit(1)
-        if stop.is_set():
+        if stopped:
+            if not stop.is_set():  # (each process hears its own Ctrl-C)
+                print(f"{SCRIPT}: Ctrl-C on another process: stopped after this chunk", flush=True)
             break
     train_seconds = time.perf_counter() - start
     watch.settle()
@@ -1420,7 +1520,7 @@ def train_and_log(
         "updates": updates,
         "env_steps_per_second": steps / train_seconds,
         "updates_per_second": updates / train_seconds,
-        "stopped_early": stop.is_set(),
+        "stopped_early": stopped,
     }
     return state, rows, summary
 
@@ -1432,20 +1532,32 @@ def main(config: Config) -> None:
         params = None
         if config.eval_only:
             config, params = load_checkpoint(config)
+        if config.distributed:
+            start_distributed(config)
         grid = sweep_grid(config)
         if config.track and importlib.util.find_spec("tensorboardX") is None:
             raise UsageError("--track needs tensorboardX: pip install tensorboardX")
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
+    if not is_lead():
+        print(
+            f"{SCRIPT}: process {jax.process_index()} of {jax.process_count()}, a worker with "
+            f"{jax.local_device_count()} device(s); process 0 prints progress and writes the "
+            "outputs",
+            flush=True,
+        )
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # process 0 speaks
     print(f"compile cache: {compile_cache}", flush=True)
-    devices = jax.devices()
+    devices = jax.devices()  # of every process: the runs are sharded over all of them
     sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
     out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", dataclasses.asdict(config))
+    if is_lead():
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "config.json", dataclasses.asdict(config))
     num_runs = len(grid) * config.num_seeds
-    keys = jax.device_put(seed_keys(config, len(grid)), sharding)
+    # Each process computes and holds only the keys and values of its own runs.
+    keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
     values = jax.device_put(run_values(grid, config.num_seeds), sharding)
     watch = Watch(config, grid, out, keys)
 
@@ -1469,11 +1581,14 @@ def main(config: Config) -> None:
         evaluate = evaluate.result()
         params = trained_params(state)
         summary |= train_summary
-        if config.save_model:
-            save_checkpoint(out / "model.msgpack", config, grid, params)
-        if config.plot:
-            plot_curves(out / "curves.png", config, rows)
-    evaluation = jax.device_get(evaluate(params, keys.evaluate, values))
+    evaluation = fetch(evaluate(params, keys.evaluate, values))
+    saved_params = fetch(params) if config.save_model and not config.eval_only else None
+    if not is_lead():
+        sys.exit(130 if summary["stopped_early"] else 0)  # process 0 writes the outputs
+    if saved_params is not None:
+        save_checkpoint(out / "model.msgpack", config, grid, saved_params)
+    if config.plot and not config.eval_only:
+        plot_curves(out / "curves.png", config, rows)
     per_run = {name: np.asarray(values).mean(axis=1) for name, values in evaluation.items()}
     watch.close(summary.get("env_steps", 0), per_run)
     returns = per_run["episode_return"]
@@ -1499,6 +1614,7 @@ def main(config: Config) -> None:
         "num_envs": config.num_envs,
         "eval_episodes": config.eval_episodes,
         "device": f"{len(devices)} x {devices[0].device_kind}",
+        "processes": jax.process_count(),
     }
     if config.sweep:
         summary["sweep"] = sweep_report(grid, returns)
@@ -1512,8 +1628,7 @@ def main(config: Config) -> None:
     write_json(out / "summary.json", summary)
     if config.capture_gif:
         render, seconds_per_frame = make_render(with_values(config, grid[0]))
-        first_run = jax.tree.map(lambda x: x[0], params)
-        frames = jax.jit(render)(first_run, keys.render[0])
+        frames = jax.jit(render)(first_run(params), first_run(keys.render))
         write_gif(out / "policy.gif", np.asarray(frames), seconds_per_frame)
     print(f"wrote {', '.join(sorted(path.name for path in out.iterdir()))} in {out}", flush=True)
     if summary["stopped_early"]:

@@ -1,5 +1,5 @@
-"""benchmark.py's train, seeds and solve subcommands on tiny sizes: each writes its rows (device,
-JAX version and date on every one) and its plot next to the --output JSON, in a temporary
+"""benchmark.py's subcommands on tiny sizes: each writes its rows (device, JAX version and date
+on every one), and its plot where it draws one, next to the --output JSON in a temporary
 directory. Timings are never asserted, only that they were measured."""
 
 import json
@@ -149,4 +149,24 @@ def test_sweep_times_one_program_against_one_process_per_run(tmp_path: Path) -> 
     (row,) = rows
     assert row["benchmark"] == "sweep" and row["num_seeds"] == 2 and row["seeds_per_point"] == 1
     assert row["sweep_seconds"] > 0 and row["single_runs_seconds"] > 0
+    check_stamped(rows)
+
+
+def test_distributed_times_one_process_against_two(tmp_path: Path) -> None:
+    output = tmp_path / "benchmarks.json"
+    rows = benchmark(
+        output,
+        "distributed",
+        "--scripts",
+        "ppo_cartpole",
+        "--num-seeds",
+        "2",
+        "--repeats",
+        "1",
+        "--run-flags=--total-timesteps 4096 --log-every 2048 --eval-episodes 1",
+    )
+    (row,) = rows
+    assert row["benchmark"] == "distributed" and row["processes"] == 2 and row["devices"] == 2
+    assert row["one_process_seconds"] > 0 and row["distributed_seconds"] > 0
+    assert row["median_return_difference"] >= 0
     check_stamped(rows)

@@ -1,0 +1,254 @@
+"""--distributed: two local processes (CPU devices, gloo collectives, 127.0.0.1) train and evaluate
+the very runs that one process trains; process 0 alone prints and writes; a Ctrl-C on a worker
+stops both; bad setups end in one line and exit 2, never a hang."""
+
+import csv
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import flax.serialization
+import jax
+import numpy as np
+import pytest
+import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
+import test_sac_pendulum
+
+import sac_pendulum
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
+# Four runs: a sweep (2 grid points x 2 seeds) of a SAC script and 4 seeds of a PPO script.
+RUNS = {
+    "sac_pendulum": [
+        *test_sac_pendulum.TINY_FLAGS,
+        "--sweep",
+        "learning-rate=1e-3,3e-3",
+        "--num-seeds",
+        "2",
+    ],
+    "ppo_cartpole": [*test_ppo_cartpole.TINY_FLAGS, "--num-seeds", "4"],
+}
+TIMED_COLUMNS = ("wall_seconds", "sps")  # differ from run to run
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def cpu_devices(count: int) -> dict:
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}",
+    }
+
+
+def start(script: str, flags: list, log: Path, devices: int) -> subprocess.Popen:
+    """The script in a subprocess, its stdout and stderr in log.out and log.err (files: a full
+    pipe would block a process that its partner then waits for)."""
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / f"{script}.py"), *flags],
+        stdout=log.with_suffix(".out").open("w"),
+        stderr=log.with_suffix(".err").open("w"),
+        env=cpu_devices(devices),
+    )
+
+
+def start_pair(script: str, flags: list, tmp: Path, devices: int = 2) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a --distributed run, each writing into its own tmp/p<I> (so that
+    what a worker writes shows), with `devices` CPU devices each."""
+    tmp.mkdir(exist_ok=True)
+    cluster = ["--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}"]
+    return [
+        start(
+            script,
+            [*flags, *cluster, "--num-processes", "2", "--process-id", str(process)]
+            + ["--output-dir", str(tmp / f"p{process}")],
+            tmp / f"p{process}",
+            devices,
+        )
+        for process in (0, 1)
+    ]
+
+
+def finish(processes: list[subprocess.Popen], timeout: float = 300) -> list[int]:
+    deadline = time.monotonic() + timeout
+    return [process.wait(max(deadline - time.monotonic(), 1)) for process in processes]
+
+
+def output(log: Path) -> tuple[str, str]:
+    return log.with_suffix(".out").read_text(), log.with_suffix(".err").read_text()
+
+
+def read_rows(path: Path) -> list[dict]:
+    with path.open() as file:
+        return list(csv.DictReader(file))
+
+
+def assert_same_rows(got: list[dict], expected: list[dict]) -> None:
+    assert len(got) == len(expected) and list(got[0]) == list(expected[0])
+    for row, reference in zip(got, expected, strict=True):
+        for name, value in reference.items():
+            if name not in TIMED_COLUMNS:
+                np.testing.assert_allclose(float(row[name]), float(value), rtol=1e-4, atol=1e-5)
+
+
+def checkpoint_params(path: Path) -> list[np.ndarray]:
+    payload = flax.serialization.msgpack_restore(path.read_bytes())
+    return jax.tree.leaves(payload["params"])
+
+
+@pytest.mark.parametrize("script", list(RUNS))
+def test_two_processes_train_and_evaluate_what_one_process_does(script, tmp_path):
+    """4 runs on 2 processes x 2 CPU devices against the same 4 runs in one process with 4
+    devices: every metrics row, the evaluation and the checkpoint agree to float tolerance;
+    process 0 writes every output and the worker writes nothing and prints one line. Then the
+    checkpoint is evaluated --distributed too."""
+    flags = RUNS[script]
+    alone = start(script, [*flags, "--output-dir", str(tmp_path / "alone")], tmp_path / "alone", 4)
+    assert alone.wait(300) == 0, output(tmp_path / "alone")
+    pair = start_pair(script, flags, tmp_path)
+    assert finish(pair) == [0, 0], [output(tmp_path / f"p{i}") for i in (0, 1)]
+
+    lead_out, _ = output(tmp_path / "p0")
+    worker_out, worker_err = output(tmp_path / "p1")
+    assert "on 4 device(s) of 2 processes" in lead_out
+    assert worker_out.splitlines() == [
+        f"{script}: process 1 of 2, a worker with 2 device(s); process 0 prints progress and "
+        "writes the outputs"
+    ], worker_err
+    assert not (tmp_path / "p1").exists()
+    lead, reference = tmp_path / "p0", tmp_path / "alone"
+    assert sorted(path.name for path in lead.iterdir()) == sorted(
+        path.name for path in reference.iterdir()
+    )
+    assert_same_rows(read_rows(lead / "metrics.csv"), read_rows(reference / "metrics.csv"))
+    summary = json.loads((lead / "summary.json").read_text())
+    expected = json.loads((reference / "summary.json").read_text())
+    assert summary["processes"] == 2 and expected["processes"] == 1
+    np.testing.assert_allclose(summary["final_returns"], expected["final_returns"], rtol=1e-3)
+    for got, want in zip(
+        checkpoint_params(lead / "model.msgpack"),
+        checkpoint_params(reference / "model.msgpack"),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    episodes = flags[flags.index("--eval-episodes") + 1]  # the training run's evaluation
+    evaluation = ["--eval-only", "--load-model", str(lead / "model.msgpack"), "--no-capture-gif"]
+    evaluation += ["--eval-episodes", episodes]
+    pair = start_pair(script, evaluation, tmp_path / "eval")
+    assert finish(pair) == [0, 0], [output(tmp_path / "eval" / f"p{i}") for i in (0, 1)]
+    evaluated = json.loads((tmp_path / "eval" / "p0" / "summary.json").read_text())
+    np.testing.assert_allclose(evaluated["final_returns"], summary["final_returns"], rtol=1e-3)
+    assert not (tmp_path / "eval" / "p1").exists()
+
+
+def test_ctrl_c_on_a_worker_stops_every_process_after_the_chunk(tmp_path):
+    """SIGINT to process 1 alone: both stop after the chunk (exit 130, as after Ctrl-C), and
+    process 0 writes the outputs of what was trained."""
+    flags = [*test_sac_pendulum.TINY_FLAGS, "--total-timesteps", "1000000", "--num-seeds", "2"]
+    lead, worker = start_pair("sac_pendulum", flags, tmp_path, devices=1)
+    metrics = tmp_path / "p0" / "metrics.csv"
+    deadline = time.monotonic() + 240
+    while not metrics.exists() and lead.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metrics.exists(), output(tmp_path / "p0")
+    worker.send_signal(signal.SIGINT)
+    assert finish([lead, worker], timeout=120) == [130, 130], output(tmp_path / "p0")
+    summary = json.loads((tmp_path / "p0" / "summary.json").read_text())
+    assert summary["stopped_early"] and 0 < summary["env_steps"] < 1_000_000
+    assert (tmp_path / "p0" / "model.msgpack").exists()
+    assert "Ctrl-C on another process: stopped after this chunk" in output(tmp_path / "p0")[0]
+
+
+def test_a_coordinator_nobody_reaches_ends_in_one_line_and_exit_2(tmp_path):
+    """A worker whose coordinator is not there, and a process 0 whose worker never comes, each
+    give up after --coordinator-timeout with one line (jax alone would abort with a C++ stack
+    trace, or wait for minutes)."""
+    began = time.monotonic()
+    alone = []
+    for process in (0, 1):  # each at its own address: neither meets the other
+        flags = ["--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}"]
+        flags += [
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(process),
+            "--coordinator-timeout",
+            "2",
+        ]
+        alone.append(start("sac_pendulum", flags, tmp_path / f"p{process}", 1))
+    assert finish(alone, timeout=60) == [2, 2]
+    assert time.monotonic() - began < 60
+    for process in (0, 1):
+        out, err = output(tmp_path / f"p{process}")
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        assert "the processes did not all reach the coordinator at 127.0.0.1:" in err
+        assert "within 2 s (--coordinator-timeout)" in err
+
+
+def test_runs_that_do_not_divide_over_every_process_s_devices_are_refused(tmp_path):
+    """3 seeds on 2 processes of 1 device each: both processes refuse before compiling."""
+    pair = start_pair("sac_pendulum", ["--num-seeds", "3"], tmp_path, devices=1)
+    assert finish(pair, timeout=120) == [2, 2]
+    for process in (0, 1):
+        err = output(tmp_path / f"p{process}")[1]
+        assert "--num-seeds must be a multiple of the 2 devices of 2 processes, got 3" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--process-id", "1"], "--coordinator-address, --num-processes and --process-id go"),
+        (
+            ["--distributed", "--num-processes", "2", "--process-id", "2"],
+            "--process-id must be in [0, 2) (--num-processes 2), got 2",
+        ),
+        (["--distributed", "--num-processes", "0"], "--num-processes must be >= 1, got 0"),
+        (["--distributed", "--coordinator-timeout", "0"], "--coordinator-timeout must be > 0"),
+    ],
+)
+def test_distributed_flags_are_checked_before_anything_starts(flags, message):
+    with pytest.raises(sac_pendulum.UsageError, match=re.escape(message)):
+        sac_pendulum.validate(sac_pendulum.parse_config(flags))
+
+
+def test_without_a_cluster_distributed_says_what_to_give(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "sac_pendulum.py"), "--distributed"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            name: value
+            for name, value in cpu_devices(1).items()
+            if not name.startswith(("SLURM_", "OMPI_", "PMI_"))
+        },
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert "no cluster detected (SLURM, Open MPI, ...)" in result.stderr
+    assert "--coordinator-address HOST:PORT --num-processes N --process-id I" in result.stderr
+
+
+def test_importing_a_script_does_not_start_jax():
+    """jax.distributed.initialize must come before JAX's backend starts: importing envs.py and
+    the scripts starts nothing (an array made at import would)."""
+    code = (
+        "import envs, sac_pendulum, sac_cartpole, ppo_cartpole, ppo_snake\n"
+        "from jax._src import xla_bridge\n"
+        "print(xla_bridge.backends_are_initialized())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.stdout.strip() == "False", result.stderr
