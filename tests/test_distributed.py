@@ -252,3 +252,47 @@ def test_importing_a_script_does_not_start_jax():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.parametrize("script", list(RUNS))
+def test_runs_never_communicate_inside_a_chunk(script):
+    """The compiled init and chunk programs over 2 devices hold no collective (all-gather,
+    all-reduce, ...): each device trains its own runs, so processes meet only between chunks."""
+    code = f"""
+import re, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import {script} as script
+config = script.parse_config(["--num-seeds", "4"])
+grid = script.sweep_grid(config)
+sharding = NamedSharding(Mesh(np.array(jax.devices()), ("runs",)), PartitionSpec("runs"))
+keys = script.seed_keys(config, len(grid)).train
+values = script.run_values(grid, config.num_seeds)
+def init(key, values):
+    return script.make_train(script.with_values(config, values))[0](key)
+def run_chunk(state, chunk, values):
+    return script.make_train(script.with_values(config, values))[1](state, chunk)
+state = jax.eval_shape(jax.vmap(init), keys, values)
+init_fn = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding)
+replicated = NamedSharding(sharding.mesh, PartitionSpec())
+chunk_fn = jax.jit(
+    jax.vmap(run_chunk, in_axes=(0, None, 0)),
+    in_shardings=(sharding, replicated, sharding),
+    out_shardings=sharding,
+)
+for program in (init_fn.lower(keys, values), chunk_fn.lower(state, jnp.int32(0), values)):
+    text = program.compile().as_text()
+    print(len(text), sorted(set(re.findall(
+        r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)", text))))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=cpu_devices(2),
+    )
+    assert result.returncode == 0, result.stderr
+    programs = [line.split(" ", 1) for line in result.stdout.splitlines()]
+    assert len(programs) == 2 and all(int(size) > 1000 for size, _ in programs)  # real programs
+    assert [collectives for _, collectives in programs] == ["[]", "[]"]
