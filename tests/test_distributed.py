@@ -171,6 +171,18 @@ def test_ctrl_c_on_a_worker_stops_every_process_after_the_chunk(tmp_path):
     assert "Ctrl-C on another process: stopped after this chunk" in output(tmp_path / "p0")[0]
 
 
+def test_a_non_finite_loss_stops_every_process_and_process_0_says_so(tmp_path):
+    """Every process holds every run's metrics, so all stop after the same chunk (exit 1); the
+    message comes once, from process 0, and what it wrote stays valid."""
+    flags = [*test_sac_pendulum.TINY_FLAGS, "--learning-rate", "1e30", "--num-seeds", "2"]
+    pair = start_pair("sac_pendulum", [*flags, "--no-plot", "--no-capture-gif"], tmp_path, 1)
+    assert finish(pair, timeout=240) == [1, 1], output(tmp_path / "p0")
+    lead_err, worker_err = output(tmp_path / "p0")[1], output(tmp_path / "p1")[1]
+    assert "non-finite" in lead_err and "chunk" in lead_err
+    assert "non-finite" not in worker_err
+    assert len(read_rows(tmp_path / "p0" / "metrics.csv")) >= 2  # a row per run and chunk
+
+
 def test_a_coordinator_nobody_reaches_ends_in_one_line_and_exit_2(tmp_path):
     """A worker whose coordinator is not there, and a process 0 whose worker never comes, each
     give up after --coordinator-timeout with one line (jax alone would abort with a C++ stack
