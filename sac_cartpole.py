@@ -774,6 +774,11 @@ def validate(config: Config) -> None:
         raise UsageError(
             "--coordinator-address, --num-processes and --process-id go with --distributed"
         )
+    if config.coordinator_address is not None:
+        host, _, port = config.coordinator_address.rpartition(":")
+        address_ok = bool(host) and port.isdigit() and 0 < int(port) < 2**16
+        where = "HOST:PORT (process 0's address and a free port on it)"
+        require(address_ok, "coordinator_address", where, config.coordinator_address)
     if config.num_processes is not None:
         require(config.num_processes >= 1, "num_processes", ">= 1", config.num_processes)
     if config.process_id is not None:
@@ -927,7 +932,7 @@ def start_distributed(config: Config) -> None:
     except ValueError as error:  # no cluster detected and not enough flags to go without one
         flags = "--coordinator-address HOST:PORT --num-processes N --process-id I"
         message = f"no cluster detected (SLURM, Open MPI, ...) and not all of {flags}"
-        raise UsageError(f"--distributed: {message} ({error})") from None
+        raise UsageError(f"--distributed: {message} (jax: {error})") from None
     finally:
         timer.cancel()
 
@@ -1216,7 +1221,10 @@ def stop_on_ctrl_c() -> threading.Event:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        print("\nCtrl-C: stopping after this chunk (press again to abort)", flush=True)
+        terminal = sys.stdout if is_lead() else sys.stderr  # a worker's stdout goes nowhere
+        print(
+            "\nCtrl-C: stopping after this chunk (press again to abort)", file=terminal, flush=True
+        )
 
     signal.signal(signal.SIGINT, request_stop)
     return stop
@@ -1392,9 +1400,9 @@ def train_and_log(
     watch: Watch,
 ):
     """The CLI's training: every run (grid point x seed) in one program, the jitted, vmapped
-    run_chunk once per chunk with the state donated (the replay buffer is updated in place), a
-    progress line and the metrics rows in between. Returns (final state, rows, summary); exits
-    on a non-finite value."""
+    run_chunk once per chunk with the train state donated (updated in place, never copied), a
+    progress line and the metrics rows in between, with every run's metrics on every process
+    (--distributed). Returns (final state, rows, summary); exits on a non-finite value."""
 
     def init(key: PRNGKey, values: dict[str, Array]) -> TrainState:
         return make_train(with_values(config, values))[0](key)

@@ -169,6 +169,7 @@ def test_ctrl_c_on_a_worker_stops_every_process_after_the_chunk(tmp_path):
     assert summary["stopped_early"] and 0 < summary["env_steps"] < 1_000_000
     assert (tmp_path / "p0" / "model.msgpack").exists()
     assert "Ctrl-C on another process: stopped after this chunk" in output(tmp_path / "p0")[0]
+    assert "Ctrl-C: stopping after this chunk" in output(tmp_path / "p1")[1]  # the worker's stderr
 
 
 def test_a_non_finite_loss_stops_every_process_and_process_0_says_so(tmp_path):
@@ -227,6 +228,14 @@ def test_runs_that_do_not_divide_over_every_process_s_devices_are_refused(tmp_pa
             "--process-id must be in [0, 2) (--num-processes 2), got 2",
         ),
         (["--distributed", "--num-processes", "0"], "--num-processes must be >= 1, got 0"),
+        (
+            ["--distributed", "--coordinator-address", "localhost"],
+            "--coordinator-address must be HOST:PORT",
+        ),
+        (
+            ["--distributed", "--coordinator-address", "10.0.0.1:99999"],
+            "--coordinator-address must be HOST:PORT",
+        ),
         (["--distributed", "--coordinator-timeout", "0"], "--coordinator-timeout must be > 0"),
     ],
 )
@@ -249,6 +258,7 @@ def test_without_a_cluster_distributed_says_what_to_give(tmp_path):
     )
     assert result.returncode == 2 and result.stdout == ""
     assert "no cluster detected (SLURM, Open MPI, ...)" in result.stderr
+    assert len(result.stderr.splitlines()) == 1
     assert "--coordinator-address HOST:PORT --num-processes N --process-id I" in result.stderr
 
 
