@@ -816,26 +816,28 @@ def timed_default_run(
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, f"{script}.py", "--output-dir", out, *flags]
+        commands = [[sys.executable, f"{script}.py", "--output-dir", out, *flags]]
         if processes > 1:
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
                 address = f"127.0.0.1:{probe.getsockname()[1]}"
-            command += ["--distributed", "--coordinator-address", address]
-            command += ["--num-processes", str(processes)]
-        commands = [[*command, "--process-id", str(index)] for index in range(processes)]
+            cluster = ["--distributed", "--coordinator-address", address]
+            cluster += ["--num-processes", str(processes)]
+            commands = [
+                [*commands[0], *cluster, "--process-id", str(index)] for index in range(processes)
+            ]
         environment = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir, **(environment or {})}
         errors = [tempfile.TemporaryFile() for _ in commands]  # files: a full pipe would block
         start = time.perf_counter()
         running = [
             subprocess.Popen(
-                command if processes == 1 else commands[index],
+                command,
                 stdout=subprocess.DEVNULL,
-                stderr=errors[index],
+                stderr=error,
                 env=environment,
                 cwd=os.path.dirname(os.path.abspath(__file__)),
             )
-            for index in range(processes)
+            for command, error in zip(commands, errors, strict=True)
         ]
         for process, error in zip(running, errors, strict=True):
             if process.wait() != 0:
@@ -1100,6 +1102,8 @@ def run_distributed(args: argparse.Namespace) -> list[dict]:
     count is what XLA can split; several GPU processes need a GPU each."""
     import tempfile
 
+    if args.processes < 2:
+        raise SystemExit("benchmark.py distributed: --processes must be >= 2")
     devices = args.processes * args.devices_per_process
     quiet = ["--no-capture-gif", "--no-plot", "--no-save-model", "--num-seeds", str(args.num_seeds)]
     rows = []

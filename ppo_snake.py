@@ -1219,8 +1219,8 @@ def write_gif(path: Path, frames: np.ndarray, seconds_per_frame: float) -> None:
 
 
 def save_checkpoint(path: Path, config: Config, grid: list[Point], params: Params) -> None:
-    """Every run's parameters (leading run axis), with the config and each run's seed and grid
-    point."""
+    """Every run's parameters (numpy arrays, leading run axis), with the config and each run's
+    seed and grid point."""
     runs = [
         {"seed": config.seed + seed, **point} for point in grid for seed in range(config.num_seeds)
     ]
@@ -1229,7 +1229,7 @@ def save_checkpoint(path: Path, config: Config, grid: list[Point], params: Param
         "env": env_name(config),
         "config": json.dumps(dataclasses.asdict(config)),
         "runs": runs,
-        "params": flax.serialization.to_state_dict(jax.device_get(params)),
+        "params": flax.serialization.to_state_dict(params),
     }
     payload_bytes = flax.serialization.msgpack_serialize(payload)
     write_atomic(path, lambda temporary: temporary.write_bytes(payload_bytes))
@@ -1271,7 +1271,7 @@ def load_checkpoint(config: Config) -> tuple[Config, Params]:
             raise UsageError(f"{flag} is set by the checkpoint with --eval-only; leave it out")
     evaluation = {name: getattr(config, name) for name in EVAL_ONLY_FIELDS}
     config = dataclasses.replace(saved, **evaluation)
-    validate(config)  # e.g. its seeds on the devices visible now
+    validate(config)  # the checkpoint's values meet this script's ranges too
     return config, payload["params"]  # numpy arrays: main puts each process's runs on its devices
 
 
