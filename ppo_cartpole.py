@@ -10,36 +10,19 @@ device, and one compiled `lax.scan` runs a chunk of PPO iterations.
     python ppo_cartpole.py --eval-only --load-model runs/<run>/model.msgpack
 """
 
-import csv
 import dataclasses
-import importlib.util
-import io
-import itertools
-import json
-import multiprocessing
-import os
-import signal
-import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, NamedTuple, get_type_hints
+from typing import Any
 
 import chex
 import flax.linen as nn
-import flax.serialization
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
-import tyro
 from chex import Array, PRNGKey
 from flax import struct
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import envs
 
@@ -65,86 +48,33 @@ class EnvConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    seed: int = 1
-    """seed of the first run; seed i of --num-seeds uses seed + i"""
-    num_seeds: int = 1
-    """independent runs trained at once in one vmapped program"""
+    seed: int = 1  # seed of the first run; seed i of --num-seeds uses seed + i
+    num_seeds: int = 1  # independent runs trained at once in one vmapped program
     sweep: tuple[str, ...] = ()
     """NAME=V1,V2,... per swept field (learning-rate=1e-3,3e-3 ent-coef=0,0.01): every
     combination of the values x --num-seeds runs in one vmapped program (docs/sweeps.md)"""
-    num_envs: int = 32
-    """parallel envs per seed"""
+    num_envs: int = 32  # parallel envs per seed
     total_timesteps: int = 98_304
     """env steps per seed, all envs together (rounded down to whole chunks): 48 iterations"""
-    learning_rate: float = 1e-2
-    """Adam step size"""
-    anneal_lr: bool = True
-    """decay the learning rate linearly to 0 over training"""
+    learning_rate: float = 1e-2  # Adam step size
+    anneal_lr: bool = True  # decay the learning rate linearly to 0 over training
     num_steps: int = 64
     """steps per env per rollout: one PPO iteration uses num_envs * num_steps env steps"""
-    gamma: float = 0.99
-    """discount factor"""
-    gae_lambda: float = 0.95
-    """lambda of generalised advantage estimation"""
-    num_minibatches: int = 4
-    """minibatches per epoch; must divide num_envs * num_steps"""
-    update_epochs: int = 4
-    """passes over each rollout"""
-    norm_adv: bool = True
-    """normalise the advantages within each minibatch"""
+    gamma: float = 0.99  # discount factor
+    gae_lambda: float = 0.95  # lambda of generalised advantage estimation
+    num_minibatches: int = 4  # minibatches per epoch; must divide num_envs * num_steps
+    update_epochs: int = 4  # passes over each rollout
+    norm_adv: bool = True  # normalise the advantages within each minibatch
     clip_coef: float = 0.2
     """clip range of the probability ratio (and of the value change with --clip-vloss)"""
-    clip_vloss: bool = False
-    """clip the value loss around the rollout's value estimates"""
-    ent_coef: float = 0.01
-    """weight of the entropy bonus"""
-    vf_coef: float = 0.5
-    """weight of the value loss"""
-    max_grad_norm: float = 0.5
-    """clip the gradient to this global norm (optax.clip_by_global_norm)"""
-    hidden_size: int = 64
-    """width of the two tanh hidden layers of the actor and of the critic"""
-    eval_episodes: int = 10
-    """greedy-policy episodes per seed in the final evaluation"""
+    clip_vloss: bool = False  # clip the value loss around the rollout's value estimates
+    ent_coef: float = 0.01  # weight of the entropy bonus
+    vf_coef: float = 0.5  # weight of the value loss
+    max_grad_norm: float = 0.5  # clip the gradient to this global norm (optax.clip_by_global_norm)
+    hidden_size: int = 64  # width of the two tanh hidden layers of the actor and of the critic
     log_every: int = 12_288
     """env steps per chunk (whole iterations): one progress line and one metrics row per seed"""
-    output_dir: str | None = None
-    """where the outputs go; None: runs/ppo_cartpole__<seed>__<unix time>"""
-    save_model: bool = True
-    """write model.msgpack (every seed's parameters and this config)"""
-    capture_gif: bool = True
-    """write policy.gif (the first seed's greedy policy in four carts side by side)"""
-    plot: bool = True
-    """write curves.png (return and losses against env steps)"""
-    load_model: str | None = None
-    """a model.msgpack to evaluate with --eval-only"""
-    eval_only: bool = False
-    """evaluate (and render) the --load-model checkpoint instead of training"""
-    plot_every: float = 15.0
-    """seconds between redraws of curves.png while training (0: drawn at the end only)"""
-    live: bool = False
-    """show the first run's current policy after every chunk (live.gif, and a window beside the
-    return curves where a display exists)"""
-    track: bool = False
-    """write TensorBoard event files per run into the run's tensorboard/ (needs tensorboardX):
-    tensorboard --logdir runs"""
-    distributed: bool = False
-    """run over every device of several processes or hosts with JAX's distributed runtime
-    (docs/distributed.md): the cluster (SLURM, Open MPI, ...) is detected, or given by the three
-    flags below"""
-    coordinator_address: str | None = None
-    """HOST:PORT of process 0 of a --distributed run, which every process reaches"""
-    num_processes: int | None = None
-    """processes of a --distributed run"""
-    process_id: int | None = None
-    """this process's index in a --distributed run, in [0, --num-processes)"""
-    coordinator_timeout: float = 120.0
-    """seconds a --distributed process waits for all the others to join before it gives up"""
-    compile_cache: bool = True
-    """keep compiled programs in JAX's persistent cache ($JAX_COMPILATION_CACHE_DIR, else
-    ~/.cache/jax-rl-scripts, at most 1 GiB)"""
-    env: EnvConfig = EnvConfig()
-    """CartPole-v1's constants"""
+    env: EnvConfig = EnvConfig()  # CartPole-v1's constants
 
 
 def make_env(config: Config) -> tuple[envs.Environment, envs.CartPoleParams]:
@@ -614,12 +544,12 @@ def make_greedy_episodes(config: Config):
     return env, env_params, play
 
 
-def make_evaluate(config: Config):
-    """evaluate(params, key) -> {"episode_return": [eval_episodes]} of the greedy policy."""
+def make_evaluate(config: Config, num_episodes: int):
+    """evaluate(params, key) -> {"episode_return": [num_episodes]} of the greedy policy."""
     _, _, play = make_greedy_episodes(config)
 
     def evaluate(params: Params, key: PRNGKey) -> dict[str, Array]:
-        returns, _ = play(params, key, config.eval_episodes)
+        returns, _ = play(params, key, num_episodes)
         return {"episode_return": returns}
 
     return evaluate
@@ -643,30 +573,53 @@ def make_render(config: Config):
 
 # ---- command line: nothing below changes what is learned ----
 
+import contextlib
+import csv
+import importlib.util
+import itertools
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, NamedTuple, get_type_hints
+
+import flax.serialization
+import numpy as np
+import tyro
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 SOLVED_RETURN = 475.0  # CartPole-v1's reward_threshold in gymnasium's registry
 LOSS_COLUMNS = ("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac")  # checked for NaN
 METRIC_COLUMNS = ("episode_return", "episode_length", *LOSS_COLUMNS)  # fields of Metrics
-CSV_COLUMNS = ("seed", "env_steps", "updates", "wall_seconds", "sps", *METRIC_COLUMNS)
 PROGRESS_COLUMNS = ("value_loss", "entropy", "approx_kl")  # on each progress line after the return
-# With --eval-only the checkpoint's config sets every field but these.
-EVAL_ONLY_FIELDS = (
-    "eval_episodes",
-    "output_dir",
-    "capture_gif",
-    "plot",
-    "load_model",
-    "eval_only",
-    "save_model",
-    "compile_cache",
-    "plot_every",
-    "live",
-    "track",
-    "distributed",
-    "coordinator_address",
-    "num_processes",
-    "process_id",
-    "coordinator_timeout",
-)
+EVAL_EPISODES = 10  # greedy-policy episodes per run in the final evaluation, by default
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a run writes, shows and runs on: nothing here changes what is learned."""
+
+    output_dir: str | None = None  # where the outputs go; None: runs/<script>__<seed>__<time>
+    overwrite: bool = False  # write into an --output-dir that holds files (replacing ours only)
+    eval_episodes: int = EVAL_EPISODES  # deterministic-policy episodes per run in the evaluation
+    save_model: bool = True  # write model.msgpack (every run's parameters and the config)
+    capture_gif: bool = True  # write policy.gif (the first run's policy in a few envs)
+    plot: bool = True  # write curves.png (the metrics against env steps)
+    plot_every: float = 15.0  # seconds between redraws of curves.png while training (0: at the end)
+    live: bool = False  # show the curves and the first run's policy in a window, every chunk
+    track: bool = False  # write TensorBoard event files per run into tensorboard/ (tensorboardX)
+    load_model: str | None = None  # a model.msgpack to evaluate with --eval-only
+    eval_only: bool = False  # evaluate (and render) the --load-model checkpoint; no training
+    compile_cache: bool = True  # JAX's persistent cache: $JAX_COMPILATION_CACHE_DIR or ours
+    distributed: bool = False  # one program over several processes or hosts (docs/distributed.md)
+    coordinator_address: str | None = None  # HOST:PORT of process 0 (unless a cluster is detected)
+    num_processes: int | None = None  # processes of a --distributed run
+    process_id: int | None = None  # this process's index in [0, --num-processes)
+    coordinator_timeout: float = 120.0  # seconds the --distributed processes wait for each other
 
 
 class UsageError(Exception):
@@ -682,45 +635,15 @@ def validate(config: Config) -> None:
     """Raise UsageError naming the first bad flag and its allowed range; compiles nothing."""
     for name in ("num_seeds", "num_envs", "num_steps", "total_timesteps", "num_minibatches"):
         require(getattr(config, name) >= 1, name, ">= 1", getattr(config, name))
-    for name in ("update_epochs", "hidden_size", "eval_episodes", "log_every"):
+    for name in ("update_epochs", "hidden_size", "log_every"):
         require(getattr(config, name) >= 1, name, ">= 1", getattr(config, name))
-    for name, value in dataclasses.asdict(config.env).items():
-        require(value > 0, f"env.{name}", "> 0", value)
-    require(
-        0 <= config.seed < 2**31 - config.num_seeds,
-        "seed",
-        "in [0, 2**31 - num-seeds)",
-        config.seed,
-    )
     for name in ("learning_rate", "clip_coef", "max_grad_norm"):
         require(getattr(config, name) > 0, name, "> 0", getattr(config, name))
     for name in ("ent_coef", "vf_coef"):
         require(getattr(config, name) >= 0, name, ">= 0", getattr(config, name))
-    require(
-        config.plot_every >= 0,
-        "plot_every",
-        ">= 0 (seconds; 0: at the end only)",
-        config.plot_every,
-    )
-    cluster = (config.coordinator_address, config.num_processes, config.process_id)
-    if not config.distributed and cluster != (None, None, None):
-        raise UsageError(
-            "--coordinator-address, --num-processes and --process-id go with --distributed"
-        )
-    if config.coordinator_address is not None:
-        host, _, port = config.coordinator_address.rpartition(":")
-        address_ok = bool(host) and port.isdigit() and 0 < int(port) < 2**16
-        where = "HOST:PORT (process 0's address and a free port on it)"
-        require(address_ok, "coordinator_address", where, config.coordinator_address)
-    if config.num_processes is not None:
-        require(config.num_processes >= 1, "num_processes", ">= 1", config.num_processes)
-    if config.process_id is not None:
-        count = config.num_processes
-        allowed = f"in [0, {count}) (--num-processes {count})" if count else ">= 0"
-        require(0 <= config.process_id < (count or 2**31), "process_id", allowed, config.process_id)
-    require(
-        config.coordinator_timeout > 0, "coordinator_timeout", "> 0", config.coordinator_timeout
-    )
+    for name, value in vars(config.env).items():
+        require(value > 0, f"env.{name}", "> 0", value)
+    require(0 <= config.seed < 2**31 - config.num_seeds, "seed", "in [0, 2**31 - N)", config.seed)
     require(0 < config.gamma <= 1, "gamma", "in (0, 1]", config.gamma)
     require(0 <= config.gae_lambda <= 1, "gae_lambda", "in [0, 1]", config.gae_lambda)
     batch_size = config.num_envs * config.num_steps
@@ -728,27 +651,40 @@ def validate(config: Config) -> None:
     divides_ok = batch_size % config.num_minibatches == 0
     require(divides_ok, "num_minibatches", divides, config.num_minibatches)
     iterations_per_chunk, num_chunks = chunk_sizes(config)
-    chunk_steps = iterations_per_chunk * batch_size
-    if not config.eval_only:
-        one_chunk = f">= one chunk ({chunk_steps} env steps, see --log-every)"
-        require(num_chunks >= 1, "total_timesteps", one_chunk, config.total_timesteps)
-    if config.eval_only != (config.load_model is not None):
+    chunk = f"one chunk ({iterations_per_chunk * batch_size} env steps, --log-every)"
+    require(num_chunks >= 1, "total_timesteps", f">= {chunk}", config.total_timesteps)
+
+
+def check_options(options: Options) -> None:
+    require(options.eval_episodes >= 1, "eval_episodes", ">= 1", options.eval_episodes)
+    require(options.plot_every >= 0, "plot_every", ">= 0 seconds", options.plot_every)
+    if options.eval_only != (options.load_model is not None):
         raise UsageError("--eval-only and --load-model PATH go together (evaluate a checkpoint)")
-    exists = config.load_model is None or Path(config.load_model).is_file()
-    require(exists, "load_model", "an existing file", config.load_model)
+    exists = options.load_model is None or Path(options.load_model).is_file()
+    require(exists, "load_model", "an existing file", options.load_model)
+    cluster = (options.coordinator_address, options.num_processes, options.process_id)
+    if not options.distributed and cluster != (None, None, None):
+        raise UsageError("--coordinator-address, --num-processes, --process-id need --distributed")
+    count = 2**31 if options.num_processes is None else options.num_processes
+    require(count >= 1, "num_processes", ">= 1", options.num_processes)
+    process_ok = 0 <= (options.process_id or 0) < count
+    require(process_ok, "process_id", "in [0, --num-processes)", options.process_id)
+    timeout_ok = options.coordinator_timeout > 0
+    require(timeout_ok, "coordinator_timeout", "> 0 seconds", options.coordinator_timeout)
+    host, _, port = (options.coordinator_address or "host:1").rpartition(":")
+    address_ok = bool(host) and port.isdigit() and 0 < int(port) < 2**16
+    require(address_ok, "coordinator_address", "HOST:PORT", options.coordinator_address)
+    if options.track and importlib.util.find_spec("tensorboardX") is None:
+        raise UsageError("--track needs tensorboardX: pip install tensorboardX")
 
 
-def float_fields(config_type: type, prefix: str = "") -> tuple[str, ...]:
-    hints = get_type_hints(config_type)
-    return tuple(prefix + name for name, hint in hints.items() if hint in (float, float | None))
-
-
-# Fields --sweep may vary: the floats (rates, coefficients, env physics) set no shape and no
+# --sweep may vary the float fields (rates, coefficients, env physics): they set no shape and no
 # Python branch, so they can be traced values inside the one vmapped program.
 SWEEPABLE = tuple(
-    name
-    for name in float_fields(Config) + float_fields(EnvConfig, "env.")
-    if name not in EVAL_ONLY_FIELDS  # --plot-every changes no run
+    prefix + name
+    for prefix, fields in (("", Config), ("env.", EnvConfig))
+    for name, hint in get_type_hints(fields).items()
+    if hint in (float, float | None)
 )
 Point = dict[str, float]  # one grid point: a value per swept field
 
@@ -765,115 +701,88 @@ def describe(point: Point) -> str:
 
 
 def sweep_grid(config: Config) -> list[Point]:
-    """Every combination of the --sweep values, in order (one empty point without --sweep).
-    UsageError for a name that cannot be swept, a value that is not a number or that validate
-    rejects, and a run count (points x seeds) that does not divide over the devices."""
+    """Every combination of the --sweep values (one empty point without --sweep); UsageError for
+    a field that cannot be swept and for a value that is not a number or that validate rejects."""
     values: dict[str, list[float]] = {}
     for entry in config.sweep:
         flag, _, listed = entry.partition("=")
         name = flag.removeprefix("--").replace("-", "_")
-        if name not in SWEEPABLE:
-            sweepable = ", ".join(name.replace("_", "-") for name in SWEEPABLE)
-            raise UsageError(f"--sweep {entry}: {flag} cannot be swept; these can: {sweepable}")
-        if name in values:
-            raise UsageError(f"--sweep {entry}: {flag} is swept twice")
+        if name not in SWEEPABLE or name in values:
+            can = ", ".join(name.replace("_", "-") for name in SWEEPABLE)
+            raise UsageError(f"--sweep {entry}: {flag} cannot be swept (twice); these can: {can}")
         try:
             values[name] = [float(value) for value in listed.split(",")]
         except ValueError:
             raise UsageError(f"--sweep {entry}: expected {flag}=V1,V2,... (numbers)") from None
-        if len(set(values[name])) < len(values[name]):
-            raise UsageError(f"--sweep {entry}: a value of {flag} is listed twice")
-    combinations = itertools.product(*values.values())
-    grid = [dict(zip(values, combination, strict=True)) for combination in combinations]
+        require(len(set(values[name])) == len(values[name]), "sweep", "distinct values", entry)
+    grid = [dict(zip(values, point, strict=True)) for point in itertools.product(*values.values())]
     for number, point in enumerate(grid, start=1):
         try:
             validate(with_values(config, point))
         except UsageError as error:
             where = f"grid point {number} of {len(grid)} ({describe(point)})"
             raise UsageError(f"--sweep {where}: {error}") from None
-    runs = len(grid) * config.num_seeds
-    devices = jax.device_count()  # of every process
-    processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    if runs % devices and config.sweep:
-        message = f"{len(grid)} grid points x {config.num_seeds} seed(s) = {runs} runs"
-        raise UsageError(f"--sweep: {message}, not a multiple of the {devices} devices{processes}")
-    multiple = f"a multiple of the {devices} devices{processes}"
-    require(runs % devices == 0, "num_seeds", multiple, runs)
     return grid
 
 
-def run_values(grid: list[Point], num_seeds: int) -> dict[str, np.ndarray]:
-    """Per swept field, its value in every run (grid point major, then seed)."""
-    return {
-        name: np.repeat(np.array([point[name] for point in grid], np.float32), num_seeds)
-        for name in grid[0]
-    }
-
-
-def enable_compile_cache(config: Config) -> str:
+def enable_compile_cache(options: Options) -> str:
     """Turn on JAX's persistent compilation cache (a rerun loads its programs instead of compiling
-    them); returns where it is, or why it is off."""
-    if not config.compile_cache:  # (JAX itself still reads $JAX_COMPILATION_CACHE_DIR if set)
+    them); returns where it is, or that it is off."""
+    if not options.compile_cache:  # (JAX itself still reads $JAX_COMPILATION_CACHE_DIR if set)
         return "off (--no-compile-cache)"
-    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jax-rl-scripts"
-    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(default)
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if path is None:  # our own folder, at most 1 GiB: JAX drops the least recently used entries
+        path = str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "jax-rl-scripts"))
+        jax.config.update("jax_compilation_cache_max_size", 2**30)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # small CPU programs too
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_compilation_cache_max_size", 2**30)  # the least recently used go first
     return path
 
 
-def start_distributed(config: Config) -> None:
-    """Join JAX's distributed runtime, before anything touches a device: jax.devices() then
-    lists every device of every process. UsageError without a cluster to detect and without
-    --coordinator-address; ends the process with one line when the processes have not all
-    joined within --coordinator-timeout (jax itself would abort with a C++ stack trace)."""
+def start_distributed(options: Options) -> None:
+    """Join JAX's distributed runtime: jax.devices() then lists the devices of every process. A
+    worker first waits for process 0's port: jax would abort with a C++ trace, as it does for a
+    process 0 whose workers do not all come within --coordinator-timeout."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPUs across processes
-
-    def give_up() -> None:
-        at = f" at {config.coordinator_address}" if config.coordinator_address else ""
-        print(
-            f"{SCRIPT}.py: error: --distributed: the processes did not all reach the coordinator"
-            f"{at} within {config.coordinator_timeout:g} s (--coordinator-timeout); is every "
-            "process started, with the same --coordinator-address and --num-processes?",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(2)  # the main thread waits inside jax's C++ client: no exception reaches it
-
-    timer = threading.Timer(config.coordinator_timeout, give_up)
-    timer.daemon = True
-    timer.start()
+    host, _, port = (options.coordinator_address or "").rpartition(":")
+    deadline = time.monotonic() + options.coordinator_timeout
+    while options.process_id and not probe(host, port):
+        if time.monotonic() > deadline:
+            where = f"{options.coordinator_address} within {options.coordinator_timeout:g} s"
+            raise UsageError(f"--distributed: process 0 not reached at {where}")
+        time.sleep(0.2)
     try:
         jax.distributed.initialize(
-            config.coordinator_address,
-            config.num_processes,
-            config.process_id,
-            initialization_timeout=int(config.coordinator_timeout) + 60,  # the timer ends first
+            options.coordinator_address,
+            options.num_processes,
+            options.process_id,
+            initialization_timeout=round(options.coordinator_timeout),
         )
-    except ValueError as error:  # no cluster detected and not enough flags to go without one
+    except (ValueError, TypeError) as error:
         flags = "--coordinator-address HOST:PORT --num-processes N --process-id I"
-        message = f"no cluster detected (SLURM, Open MPI, ...) and not all of {flags}"
-        raise UsageError(f"--distributed: {message} (jax: {error})") from None
-    finally:
-        timer.cancel()
+        raise UsageError(
+            f"--distributed: {error} (with no cluster detected, give {flags})"
+        ) from None
+
+
+def probe(host: str, port: str) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1):
+        return True
+    return False
 
 
 def is_lead() -> bool:
-    """Process 0 prints and writes for every process (the only process without --distributed)."""
-    return jax.process_index() == 0
+    return jax.process_index() == 0  # process 0 prints and writes for every process
 
 
 def fetch(tree: Any) -> Any:
-    """Every run's values as numpy arrays, on every process: without --distributed a copy from
-    the devices, with it a collective that every process calls at the same point."""
+    """Every run's values as numpy arrays, on every process (with --distributed, a collective)."""
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def first_run(tree: Any) -> Any:
-    """Run 0 of every array, from the first device of process 0 (the lead process takes it
-    without the others)."""
+    """Run 0 of every array, from the first device of process 0, without the other processes."""
     return jax.tree.map(lambda x: x.addressable_data(0)[0], tree)
 
 
@@ -884,242 +793,182 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     os.replace(temporary, path)
 
 
-def write_csv(path: Path, rows: list[dict], columns: Sequence[str]) -> None:
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(rows)
-    write_atomic(path, lambda temporary: temporary.write_text(text.getvalue()))
+def write_csv(path: Path, rows: list[dict]) -> None:
+    def write(temporary: Path) -> None:
+        with temporary.open("w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    write_atomic(path, write)
 
 
 def write_json(path: Path, values: dict) -> None:
     write_atomic(path, lambda temporary: temporary.write_text(json.dumps(values, indent=2) + "\n"))
 
 
-def plot_curves(path: Path, config: Config, rows: list[dict]) -> None:
-    """Every metric against env steps: per grid point (one without --sweep), the mean over its
-    seeds and the min-max band."""
-    from matplotlib.figure import Figure  # imported here: it is slow to import
+class Plots:
+    """curves.png: every metric against env steps per grid point (the mean over its seeds and the
+    min-max band) and, with --live, the first run's current policy, in a window where a display
+    exists. Drawn in the main thread while the next chunk runs on the device."""
 
-    columns = METRIC_COLUMNS
-    swept = [name for name in SWEEPABLE if name in rows[0]]
-    runs: dict[str, dict[int, list[dict]]] = {}  # grid point -> seed -> the run's rows
-    for row in rows:
-        point = describe({name: row[name] for name in swept})
-        runs.setdefault(point, {}).setdefault(row["seed"], []).append(row)
-    figure = Figure(figsize=(13, 3.2 * -(-len(columns) // 3)), layout="constrained")
-    axes = figure.subplots(-(-len(columns) // 3), 3, squeeze=False).flat
-    for axis, name in zip(axes, columns, strict=False):
-        for point, seeds in runs.items():
-            steps = np.array([row["env_steps"] for row in next(iter(seeds.values()))])
-            values = np.array([[row[name] for row in run] for run in seeds.values()])
-            shown = np.isfinite(values).any(axis=0)  # chunks without episodes or updates are NaN
-            axis.plot(steps[shown], np.nanmean(values[:, shown], axis=0), label=point)
-            low, high = np.nanmin(values[:, shown], axis=0), np.nanmax(values[:, shown], axis=0)
-            axis.fill_between(steps[shown], low, high, alpha=0.25)
-        axis.set(title=name, xlabel="env steps")
-    axes[0].axhline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
-    if swept and len(runs) <= 12:
-        axes[0].legend(fontsize="small")
-    for axis in axes[len(columns) :]:
-        axis.set_visible(False)
-    grid = f"{len(runs)} grid points x " if swept else ""
-    figure.suptitle(f"{SCRIPT} on {env_name(config)}, {grid}{config.num_seeds} seed(s)")
-    write_atomic(path, lambda temporary: figure.savefig(temporary, format="png", dpi=80))
+    def __init__(self, config: Config, options: Options, grid: list[Point]) -> None:
+        import matplotlib.pyplot as plt  # here: it is slow to import
+
+        self.plt = plt
+        self.labels = [describe(point) or None for point in grid]
+        self.window = options.live and plt.get_backend().lower() not in ("agg", "pdf", "svg")
+        rows = len(METRIC_COLUMNS) // 3 + 1  # and a panel for the policy
+        self.figure = (plt.figure if self.window else plt.Figure)(
+            figsize=(13, 3.2 * rows), layout="constrained"
+        )
+        runs = f"{len(grid)} grid point(s) x {config.num_seeds} seed(s)"
+        self.figure.suptitle(f"{SCRIPT} on {env_name(config)}, {runs}")
+        self.axes = self.figure.subplots(rows, 3).flat
+        self.render = (
+            jax.jit(make_render(with_values(config, grid[0]))[0]) if options.live else None
+        )
+        self.frames: np.ndarray | None = None
+        if self.window:
+            plt.show(block=False)
+
+    def update(self, rows: list[dict], frames: Array | None) -> None:
+        """Redraw from every metrics row so far (grid point major, then seed, in each chunk)."""
+        steps = np.unique([row["env_steps"] for row in rows])
+        for axis, name in zip(self.axes, METRIC_COLUMNS, strict=False):
+            values = np.ma.masked_invalid([row[name] for row in rows])  # NaN: nothing to average
+            values = values.reshape(len(steps), len(self.labels), -1)
+            axis.clear()
+            for point, label in enumerate(self.labels):
+                mean = values[:, point].mean(axis=1)
+                shown = ~np.ma.getmaskarray(mean)
+                axis.plot(steps[shown], mean[shown], label=label)
+                low = values[:, point].min(axis=1)[shown]
+                axis.fill_between(steps[shown], low, values[:, point].max(axis=1)[shown], alpha=0.3)
+            axis.set(title=name, xlabel="env steps")
+        self.axes[0].axhline(SOLVED_RETURN, ls="--", c="gray", label=f"solved ({SOLVED_RETURN:g})")
+        self.axes[0].legend(fontsize="small")
+        for axis in self.axes[len(METRIC_COLUMNS) :]:
+            axis.set_axis_off()
+        if frames is not None:
+            self.frames = np.asarray(frames)
+            self.image = self.axes[-1].imshow(self.frames[0])
+            self.axes[-1].set_title("the first run's policy now")
+
+    def animate(self) -> bool:
+        """The policy's next frame in the window, if it is open; False if there is none."""
+        if not self.window or self.frames is None or not self.plt.fignum_exists(self.figure.number):
+            return False
+        self.image.set_data(self.frames[int(time.monotonic() * 20) % len(self.frames)])
+        self.plt.pause(0.05)
+        return True
+
+    def save(self, path: Path) -> None:
+        write_atomic(path, lambda temporary: self.figure.savefig(temporary, format="png", dpi=80))
 
 
-def sweep_report(grid: list[Point], returns: np.ndarray) -> list[dict]:
-    """Per grid point: its values and its seeds' final returns, their mean and spread, and the
-    fraction of seeds at the solved bar."""
-    per_point = returns.reshape(len(grid), -1)
-    return [
+def write_sweep(out: Path, config: Config, grid: list[Point], returns: np.ndarray) -> list[dict]:
+    """sweep.csv and sweep.png (each grid point's final returns: its seeds as points and their
+    mean); returns the report: per grid point its values, returns, mean, std and solved share."""
+    from matplotlib.figure import Figure
+
+    report = [
         {
-            "values": point,
-            "final_returns": point_returns.tolist(),
+            **point,
             "mean": float(point_returns.mean()),
             "std": float(point_returns.std()),
             "solved_fraction": float((point_returns >= SOLVED_RETURN).mean()),
+            "final_returns": point_returns.tolist(),
         }
-        for point, point_returns in zip(grid, per_point, strict=True)
+        for point, point_returns in zip(grid, returns.reshape(len(grid), -1), strict=True)
     ]
+    write_csv(out / "sweep.csv", report)
+    figure = Figure(figsize=(max(6, len(grid) + 2), 4.5), layout="constrained")
+    axis = figure.subplots()
+    for index, point_returns in enumerate(returns.reshape(len(grid), -1)):
+        axis.scatter([index] * len(point_returns), point_returns, c="gray", s=12)
+    axis.plot([entry["mean"] for entry in report], "o", label="mean over seeds")
+    labels = [describe(point).replace(" ", "\n") for point in grid]
+    axis.set_xticks(range(len(grid)), labels, rotation=90 if len(grid) > 8 else 0)
+    axis.set_xlim(-0.5, len(grid) - 0.5)
+    axis.axhline(SOLVED_RETURN, ls="--", c="gray", label=f"solved ({SOLVED_RETURN:g})")
+    axis.set(ylabel="final return", title=f"{SCRIPT}: {config.num_seeds} seed(s) per grid point")
+    axis.legend(fontsize="small")
+    write_atomic(out / "sweep.png", lambda temporary: figure.savefig(temporary, format="png"))
+    return report
 
 
-def return_curves(rows: list[dict], swept: Sequence[str]) -> dict[str, tuple[list, list]]:
-    """Per grid point: the env steps of the chunks that ended episodes, and there the training
-    return averaged over the point's seeds."""
-    by_point: dict[str, dict[int, list[float]]] = {}
-    for row in rows:
-        if np.isfinite(row["episode_return"]):
-            point = describe({name: row[name] for name in swept})
-            by_point.setdefault(point, {}).setdefault(row["env_steps"], []).append(
-                row["episode_return"]
-            )
-    return {
-        point: (list(returns), [float(np.mean(values)) for values in returns.values()])
-        for point, returns in by_point.items()
-    }
+def write_gif(path: Path, frames: np.ndarray, seconds_per_frame: float, caption: str) -> None:
+    """Frames [time, height, width, 3] as a GIF playing in real time, the caption above them."""
+    from PIL import Image, ImageDraw  # matplotlib's dependency
 
-
-def write_sweep(out: Path, config: Config, report: list[dict], rows: list[dict]) -> None:
-    """sweep.csv (a row per grid point) and, unless --no-plot, sweep.png: with one swept field
-    the final return against its value and the return curves per value, with two a heatmap of
-    the mean, with more the grid points ranked (no curves without training `rows`)."""
-    from matplotlib.figure import Figure
-
-    names = list(report[0]["values"])
-    table = [
-        {
-            **entry["values"],
-            "mean": round(entry["mean"], 3),  # summary.json keeps every digit
-            "std": round(entry["std"], 3),
-            "solved_fraction": entry["solved_fraction"],
-            "final_returns": " ".join(f"{value:g}" for value in entry["final_returns"]),
-        }
-        for entry in report
-    ]
-    write_csv(out / "sweep.csv", table, list(table[0]))
-    if not config.plot:
-        return
-    means = np.array([entry["mean"] for entry in report])
-    title = f"{SCRIPT} on {env_name(config)}: final return, {config.num_seeds} seed(s) per point"
-    if len(names) == 1:  # with the training curves beside, when there are rows (not --eval-only)
-        figure = Figure(figsize=(12 if rows else 6, 4), layout="constrained")
-        left, right = figure.subplots(1, 2) if rows else (figure.subplots(), None)
-        values = np.array([entry["values"][names[0]] for entry in report])
-        for value, entry in zip(values, report, strict=True):
-            seeds = entry["final_returns"]
-            left.scatter([value] * len(seeds), seeds, color="gray", s=12, zorder=2)
-        left.plot(values, means, marker="o", zorder=3, label="mean over seeds")
-        if values.min() > 0 and values.max() >= 10 * values.min():
-            left.set_xscale("log")
-        left.axhline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
-        left.set(xlabel=names[0].replace("_", "-"), ylabel="final return")
-        left.legend(fontsize="small")
-        for point, (steps, returns) in return_curves(rows, names).items():
-            right.plot(steps, returns, label=point)
-            right.legend(fontsize="small")
-        if right is not None:
-            right.set(xlabel="env steps", ylabel="training return (mean over seeds)")
-    elif len(names) == 2:
-        rows_of, columns_of = ([entry["values"][name] for entry in report] for name in names)
-        row_values, column_values = sorted(set(rows_of)), sorted(set(columns_of))
-        heat = np.full((len(row_values), len(column_values)), np.nan)
-        for row_value, column_value, mean in zip(rows_of, columns_of, means, strict=True):
-            heat[row_values.index(row_value), column_values.index(column_value)] = mean
-        figure = Figure(
-            figsize=(1.2 * len(column_values) + 3, 0.8 * len(row_values) + 2), layout="constrained"
-        )
-        axis = figure.subplots()
-        image = axis.imshow(heat, cmap="viridis", aspect="auto")
-        middle = np.nanmean(heat)
-        for (i, j), mean in np.ndenumerate(heat):
-            color = "black" if mean > middle else "white"  # readable on viridis' light and dark
-            axis.text(j, i, f"{mean:.0f}", ha="center", va="center", color=color)
-        axis.set_xticks(range(len(column_values)), [f"{value:g}" for value in column_values])
-        axis.set_yticks(range(len(row_values)), [f"{value:g}" for value in row_values])
-        axis.set(xlabel=names[1].replace("_", "-"), ylabel=names[0].replace("_", "-"))
-        figure.colorbar(image, label="mean final return")
-    else:
-        order = np.argsort(means)
-        figure = Figure(figsize=(10, 0.3 * len(report) + 1.5), layout="constrained")
-        axis = figure.subplots()
-        stds = np.array([report[i]["std"] for i in order])
-        base = min((means - stds).min(), SOLVED_RETURN)  # bars grow from below the worst point
-        base -= 0.05 * (means.max() - base + 1)
-        axis.barh(range(len(order)), means[order] - base, left=base, xerr=stds, color="tab:blue")
-        axis.set_yticks(range(len(order)), [describe(report[i]["values"]) for i in order])
-        axis.axvline(SOLVED_RETURN, color="gray", linestyle="--", linewidth=1)
-        axis.set(xlabel="final return (mean ± std over seeds)")
-    figure.suptitle(title)
-    write_atomic(
-        out / "sweep.png", lambda temporary: figure.savefig(temporary, format="png", dpi=80)
-    )
-
-
-def write_gif(path: Path, frames: np.ndarray, seconds_per_frame: float) -> None:
-    """Frames [time, height, width, 3] as an animated GIF playing in real time."""
-    from PIL import Image  # matplotlib's dependency
-
+    frames = np.pad(frames, ((0, 0), (16, 0), (0, 0), (0, 0)), constant_values=255)
+    # One palette from frames across the whole GIF (a snake's colours may not be on the first).
+    palette = Image.fromarray(np.concatenate(frames[:: max(len(frames) // 8, 1)])).quantize(32)
     images = [Image.fromarray(frame) for frame in frames]
-    # One palette for every frame, from frames across the whole GIF (a snake's body gradient,
-    # say, may not be on the first one).
-    sample = np.concatenate(frames[:: max(len(frames) // 8, 1)], axis=0)
-    palette = Image.fromarray(sample).quantize(colors=32)
+    for image in images:
+        ImageDraw.Draw(image).text((4, 2), caption, fill=(0, 0, 0))
     images = [image.quantize(palette=palette, dither=Image.Dither.NONE) for image in images]
-    duration = round(1000 * seconds_per_frame)
-    write_atomic(
-        path,
-        lambda temporary: images[0].save(
-            temporary,
-            format="GIF",
-            save_all=True,
-            append_images=images[1:],
-            duration=duration,
-            loop=0,
-        ),
-    )
+    milliseconds = round(1000 * seconds_per_frame)
+
+    def write(temporary: Path) -> None:
+        images[0].save(
+            temporary, "GIF", save_all=True, append_images=images[1:], loop=0, duration=milliseconds
+        )
+
+    write_atomic(path, write)
 
 
 def save_checkpoint(path: Path, config: Config, grid: list[Point], params: Params) -> None:
-    """Every run's parameters (numpy arrays, leading run axis), with the config and each run's
-    seed and grid point."""
-    runs = [
-        {"seed": config.seed + seed, **point} for point in grid for seed in range(config.num_seeds)
-    ]
+    """Every run's parameters (leading run axis) with the config and each run's seed and point."""
+    seeds = range(config.seed, config.seed + config.num_seeds)
     payload = {
         "script": SCRIPT,
         "env": env_name(config),
         "config": json.dumps(dataclasses.asdict(config)),
-        "runs": runs,
+        "runs": [{"seed": seed, **point} for point in grid for seed in seeds],
         "params": flax.serialization.to_state_dict(params),
     }
-    payload_bytes = flax.serialization.msgpack_serialize(payload)
-    write_atomic(path, lambda temporary: temporary.write_bytes(payload_bytes))
+    data = flax.serialization.msgpack_serialize(payload)
+    write_atomic(path, lambda temporary: temporary.write_bytes(data))
 
 
-def flag_values(config: Config) -> dict[str, Any]:
+def flat(config: Config) -> dict[str, Any]:
     """Every field under its command-line name (the env's as env.<name>)."""
-    values = {name: value for name, value in vars(config).items() if name != "env"}
-    return values | {f"env.{name}": value for name, value in vars(config.env).items()}
+    fields = {name: value for name, value in vars(config).items() if name != "env"}
+    return fields | {f"env.{name}": value for name, value in vars(config.env).items()}
 
 
-def load_checkpoint(config: Config) -> tuple[Config, Params]:
-    """(the checkpoint's config with this command's evaluation and output flags, every seed's
-    parameters). UsageError for a file that is not this script's checkpoint, or for a flag
-    that the checkpoint's config would silently override."""
+def load_checkpoint(path: str, config: Config) -> tuple[Config, Params]:
+    """(the checkpoint's config, every run's parameters); UsageError for a file that is not this
+    script's checkpoint, and for a flag given here that the checkpoint's config overrides."""
     try:
-        payload = flax.serialization.msgpack_restore(Path(config.load_model).read_bytes())
-        script = payload["script"]
-        env = payload["env"]
-        if script == SCRIPT:
-            saved = json.loads(payload["config"])
-            saved = {
-                key: tuple(value) if isinstance(value, list) else value
-                for key, value in saved.items()
-            }
-            saved = Config(**{**saved, "env": EnvConfig(**saved["env"])})
+        payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
+        saved = json.loads(payload["config"]) if payload["script"] == SCRIPT else None
+        if saved is not None:
+            env = EnvConfig(**saved.pop("env"))
+            saved = Config(
+                **{key: tuple(v) if isinstance(v, list) else v for key, v in saved.items()}, env=env
+            )
     except Exception as error:  # whatever is wrong with the file, it is the same user error
-        message = f"--load-model {config.load_model} is not a model.msgpack"
-        raise UsageError(f"{message} ({type(error).__name__})") from None
-    if script != SCRIPT:
-        message = f"--load-model {config.load_model} is a {script} checkpoint for {env}"
-        raise UsageError(f"{message}, not {SCRIPT}'s")
-    given = flag_values(config)
-    defaults = flag_values(Config())
-    checkpoint = flag_values(saved)
-    for name, value in given.items():
-        if name not in EVAL_ONLY_FIELDS and value not in (defaults[name], checkpoint[name]):
+        raise UsageError(
+            f"--load-model {path} is not a model.msgpack ({type(error).__name__})"
+        ) from None
+    if saved is None:
+        found = f"a {payload['script']} checkpoint for {payload['env']}"
+        raise UsageError(f"--load-model {path} is {found}, not {SCRIPT}'s")
+    # A flag given here must be the default the command line parsed over or the checkpoint's.
+    defaults = flat(Config())
+    for name, default in defaults.items():
+        if flat(config)[name] not in (default, flat(saved)[name]):
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} is set by the checkpoint with --eval-only; leave it out")
-    evaluation = {name: getattr(config, name) for name in EVAL_ONLY_FIELDS}
-    config = dataclasses.replace(saved, **evaluation)
-    validate(config)  # the checkpoint's values meet this script's ranges too
-    return config, payload["params"]  # numpy arrays: main puts each process's runs on its devices
+    validate(saved)  # the checkpoint's values meet this script's ranges too
+    return saved, payload["params"]
 
 
 class SeedKeys(NamedTuple):
-    """Per run (leading axis: grid points x seeds), three independent keys split once from the
-    run's seed."""
+    """Per run (grid points x seeds), three independent keys split once from the run's seed."""
 
     train: PRNGKey
     evaluate: PRNGKey
@@ -1133,197 +982,103 @@ def seed_keys(config: Config, num_points: int = 1) -> SeedKeys:
     return SeedKeys(train=keys[:, 0], evaluate=keys[:, 1], render=keys[:, 2])
 
 
-def stop_on_ctrl_c() -> threading.Event:
-    """The first Ctrl-C asks the training loop to stop after the chunk in progress; a second one
-    aborts at once."""
-    stop = threading.Event()
+def stop_on_ctrl_c() -> list[bool]:
+    """The first Ctrl-C asks the loop to stop after the chunk in progress; a second one aborts."""
+    stop = [False]
 
     def request_stop(signum: int, frame: Any) -> None:
-        if stop.is_set():
+        if stop[0]:
             raise KeyboardInterrupt
-        stop.set()
-        terminal = sys.stdout if is_lead() else sys.stderr  # a worker's stdout goes nowhere
-        print(
-            "\nCtrl-C: stopping after this chunk (press again to abort)", file=terminal, flush=True
-        )
+        stop[0] = True
+        print("\nCtrl-C: stopping after this chunk (press again to abort)", file=sys.stderr)
 
     signal.signal(signal.SIGINT, request_stop)
     return stop
 
 
-def start_drawing_process() -> None:
-    """The drawing process runs at the lowest CPU priority (it takes what training leaves) and
-    ignores Ctrl-C: a terminal sends it to every process of the run, and the training process
-    decides when to stop (after the chunk, with every output written)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(os, "nice"):
-        os.nice(19)
-
-
-class Watch:
-    """What a run shows while it trains, off the chunk loop's critical path: curves.png at most
-    every --plot-every seconds; with --live the first run's current policy after every chunk
-    (live.gif, and a window where a display exists); with --track TensorBoard scalars per run
-    (one event directory per seed and grid point). Only the lead process shows anything. A
-    thread waits on the drawings, which a second process at low priority makes: drawn on a
-    thread of this one, matplotlib's Python held the GIL that the chunk loop needs and cost a
-    third of the training speed (docs/benchmarks.md)."""
-
-    def __init__(self, config: Config, grid: list[Point], out: Path, keys: SeedKeys) -> None:
-        self.config = config
-        self.out = out
-        self.shows = is_lead()
-        self.painter = ThreadPoolExecutor(1)
-        spawn = multiprocessing.get_context("spawn")  # forking a process that runs JAX can hang
-        self.drawer = ProcessPoolExecutor(1, mp_context=spawn, initializer=start_drawing_process)
-        self.drawing: Future | None = None
-        self.last_plot = time.perf_counter()
-        self.writers = open_tensorboard(config, grid, out) if config.track and self.shows else []
-        self.window: LiveWindow | None = None
-        if config.live and self.shows:
-            render, self.seconds_per_frame = make_render(with_values(config, grid[0]))
-            self.render = jax.jit(render)  # compiled once, on the painter thread
-            self.render_key = first_run(keys.render)
-            self.window = LiveWindow.open(f"{SCRIPT} on {env_name(config)}")
-
-    def after_chunk(self, rows: list[dict], new_rows: list[dict], state: TrainState) -> None:
-        """Write metrics.csv, log the chunk's rows to TensorBoard and, unless the last drawing
-        is still busy, draw what is due; returns at once."""
-        if not self.shows:
-            return
-        write_csv(self.out / "metrics.csv", rows, list(rows[0]))  # valid if the run stops
-        if self.writers:
-            self.log(new_rows)
-        if self.drawing is not None and not self.drawing.done():
-            return
-        now = time.perf_counter()
-        plot_due = self.config.plot and 0 < self.config.plot_every <= now - self.last_plot
-        if plot_due:
-            self.last_plot = now
-        params = None
-        if self.config.live:  # the first run's parameters, copied before the state is donated
-            params = first_run(trained_params(state))
-        if plot_due or params is not None:
-            self.drawing = self.painter.submit(self.draw, list(rows), plot_due, params)
-
-    def log(self, new_rows: list[dict]) -> None:
-        """Every metrics.csv column of the chunk as a TensorBoard scalar, a row per run."""
-        for writer, row in zip(self.writers, new_rows, strict=True):
-            for name in ("updates", "wall_seconds", "sps", *METRIC_COLUMNS):
-                if np.isfinite(row[name]):
-                    group = "losses" if name in LOSS_COLUMNS else "charts"
-                    writer.add_scalar(f"{group}/{name}", row[name], row["env_steps"])
-
-    def draw(self, rows: list[dict], plot_due: bool, params: Params | None) -> None:
-        if plot_due:
-            self.drawer.submit(plot_curves, self.out / "curves.png", self.config, rows).result()
-        if params is not None:
-            frames = np.asarray(self.render(params, self.render_key))
-            gif = (self.out / "live.gif", frames, self.seconds_per_frame)
-            self.drawer.submit(write_gif, *gif).result()
-            if self.window is not None:
-                self.window.show(rows, frames)
-
-    def wait(self, future: Future) -> Any:
-        """The future's result; with the window open, its events run while the chunk does."""
-        while self.window is not None and not future.done():
-            if not self.window.tick(0.05):
-                print(f"{SCRIPT}: live window closed; training goes on", flush=True)
-                self.window = None
-        return future.result()
-
-    def settle(self) -> None:
-        """Wait for the drawing in progress (the final curves.png is drawn after it)."""
-        if self.drawing is not None:
-            self.drawing.result()
-        self.drawer.shutdown()
-
-    def close(self, steps: int, per_run: dict[str, np.ndarray]) -> None:
-        """Log the evaluation (per run, at the last env step) to TensorBoard and close it."""
-        for run, writer in enumerate(self.writers):
-            for name, values in per_run.items():
-                writer.add_scalar(f"eval/{name}", values[run], steps)
-            writer.close()
-
-
 def open_tensorboard(config: Config, grid: list[Point], out: Path) -> list:
-    """A tensorboardX writer per run in out/tensorboard/<seed and grid point>, each with the
-    config as text: `tensorboard --logdir runs` compares every run of every script."""
-    from tensorboardX import SummaryWriter  # optional: main checked that it is installed
+    """A tensorboardX writer per run in tensorboard/<seed and grid point>, the config as text."""
+    from tensorboardX import SummaryWriter  # optional: check_options made sure it is installed
 
-    text = "```\n" + json.dumps(dataclasses.asdict(config), indent=2) + "\n```"
+    text = f"```\n{json.dumps(dataclasses.asdict(config), indent=2)}\n```"
     writers = []
     for point in grid:
         for seed in range(config.seed, config.seed + config.num_seeds):
             name = "_".join([f"seed{seed}", *describe(point).split()])
-            writer = SummaryWriter(str(out / "tensorboard" / name))
-            writer.add_text("config", text)
-            writers.append(writer)
+            writers.append(SummaryWriter(str(out / "tensorboard" / name)))
+            writers[-1].add_text("config", text)
     return writers
 
 
-class LiveWindow:
-    """A matplotlib window: the return curve per grid point beside the first run's policy,
-    animated while training runs. Every call comes from the main thread (GUI toolkits need it)
-    except show(), which only hands over data."""
+def wait_for(tree: Any, plots: "Plots | None") -> None:
+    """Block until `tree` is computed, waking often (a Ctrl-C is heard at once)."""
+    while not all(leaf.is_ready() for leaf in jax.tree.leaves(tree)):
+        if plots is None or not plots.animate():
+            time.sleep(0.01)
 
-    @staticmethod
-    def open(title: str) -> "LiveWindow | None":
-        import matplotlib.pyplot as plt
 
-        if plt.get_backend().lower() in ("agg", "pdf", "ps", "svg", "cairo", "template"):
-            print(f"{SCRIPT}: --live: no display here; live.gif shows the policy", flush=True)
-            return None
-        return LiveWindow(plt, title)
+def log_chunk(
+    config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], seconds: float
+) -> tuple[list[dict], str | None]:
+    """The chunk's metrics rows, one per run, and what is not finite in them (or None): the chunk,
+    the run and the metric."""
+    last = rows[-1] if rows else {"env_steps": 0, "updates": 0, "wall_seconds": 0.0}
+    sps = (metrics.env_steps[0] - last["env_steps"]) / (seconds - last["wall_seconds"])
+    new_rows = [
+        {
+            "seed": config.seed + run % config.num_seeds,
+            **grid[run // config.num_seeds],  # the swept values after the seed
+            "env_steps": int(metrics.env_steps[run]),
+            "updates": int(metrics.updates[run]),
+            "wall_seconds": round(seconds, 3),
+            "sps": round(float(sps), 1),
+            **{name: float(getattr(metrics, name)[run]) for name in METRIC_COLUMNS},
+        }
+        for run in range(len(metrics.env_steps))
+    ]
+    checked = LOSS_COLUMNS if new_rows[0]["updates"] > last["updates"] else ()  # else NaN
+    finite = {"parameter": metrics.params_finite}
+    finite |= {name: np.isfinite(getattr(metrics, name)) for name in checked}
+    for name, ok in finite.items():
+        if not ok.all():
+            row = new_rows[int(np.argmin(ok))]
+            run = describe({key: row[key] for key in grid[0]})
+            where = f"chunk {len(rows) // len(new_rows) + 1}, seed {row['seed']} {run}".strip()
+            return new_rows, f"{SCRIPT}: non-finite {name} in {where}; stopped"
+    return new_rows, None
 
-    def __init__(self, plt: Any, title: str) -> None:
-        self.plt = plt
-        self.figure, (self.curves, self.policy) = plt.subplots(1, 2, figsize=(12, 4.5))
-        self.figure.suptitle(title)
-        self.image = None
-        self.latest: tuple[list[dict], np.ndarray] | None = None
-        self.shown_rows = 0
-        self.frame = 0
-        plt.show(block=False)
 
-    def show(self, rows: list[dict], frames: np.ndarray) -> None:
-        self.latest = (rows, frames)
-
-    def tick(self, seconds: float) -> bool:
-        """Redraw what changed and the next policy frame; False once the window is closed."""
-        if not self.plt.fignum_exists(self.figure.number):
-            return False
-        if self.latest is not None:
-            rows, frames = self.latest
-            if len(rows) != self.shown_rows:
-                self.shown_rows = len(rows)
-                self.curves.clear()
-                swept = [name for name in SWEEPABLE if name in rows[0]]
-                for point, (steps, returns) in return_curves(rows, swept).items():
-                    self.curves.plot(steps, returns, label=point or None)
-                self.curves.set(xlabel="env steps", ylabel="training return (mean over seeds)")
-            self.frame = (self.frame + 1) % len(frames)
-            if self.image is None:
-                self.image = self.policy.imshow(frames[0])
-                self.policy.set_axis_off()
-            self.image.set_data(frames[self.frame])
-        self.plt.pause(seconds)
-        return True
+def progress(config: Config, grid: list[Point], metrics: Metrics, rows: list[dict]) -> str:
+    """The training return over runs (the best and worst grid point too) and the main losses."""
+    returns = metrics.episode_return
+    shown = "-" if np.isnan(returns).all() else f"{np.nanmean(returns):.1f}"
+    if returns.size > 1 and not np.isnan(returns).all():
+        shown += f" ± {np.nanstd(returns):.1f} (min {np.nanmin(returns):.1f})"
+    if config.sweep and np.isfinite(returns).all():
+        means = returns.reshape(len(grid), config.num_seeds).mean(axis=1)
+        shown += f" | best {describe(grid[means.argmax()])} {means.max():.1f}"
+        shown += f", worst {describe(grid[means.argmin()])} {means.min():.1f}"
+    losses = " ".join(f"{name} {np.mean(getattr(metrics, name)):.3g}" for name in PROGRESS_COLUMNS)
+    before = (
+        rows[-2 * returns.size] if len(rows) > returns.size else {"updates": 0, "wall_seconds": 0}
+    )
+    updates = (rows[-1]["updates"] - before["updates"]) / (
+        rows[-1]["wall_seconds"] - before["wall_seconds"]
+    )
+    return f"SPS {rows[-1]['sps']:,.0f} | updates/s {updates:,.0f} | return {shown} | {losses}"
 
 
 def train_and_log(
     config: Config,
+    options: Options,
     grid: list[Point],
-    sharding: NamedSharding,
     out: Path,
-    keys: PRNGKey,
+    keys: SeedKeys,
     values: dict[str, Array],
-    watch: Watch,
-):
-    """The CLI's training: every run (grid point x seed) in one program, the jitted, vmapped
-    run_chunk once per chunk with the train state donated (updated in place, never copied), a
-    progress line and the metrics rows in between, with every run's metrics on every process
-    (--distributed). Returns (final state, rows, summary); exits on a non-finite value."""
+) -> tuple[TrainState, list[dict], list, dict]:
+    """Every run (grid point x seed) in one program: the jitted, vmapped run_chunk once per chunk
+    with the train state donated (updated in place, never copied). The next chunk is dispatched
+    before this one is logged and drawn, so that the device does not wait for the host."""
 
     def init(key: PRNGKey, values: dict[str, Array]) -> TrainState:
         return make_train(with_values(config, values))[0](key)
@@ -1331,247 +1086,202 @@ def train_and_log(
     def run_chunk(state: TrainState, chunk: Array, values: dict[str, Array]):
         return make_train(with_values(config, values))[1](state, chunk)
 
-    def gather(metrics: Metrics, stop: threading.Event) -> tuple[Metrics, bool]:
-        """Every run's metrics of the chunk, and whether any process was asked to stop."""
-        jax.block_until_ready(metrics)  # Ctrl-C during the chunk counts for this chunk
-        metrics, stops = fetch((metrics, np.array([stop.is_set()])))
-        return metrics, bool(stops.any())
-
-    iterations_per_chunk, num_chunks = chunk_sizes(config)
-    num_runs = len(grid) * config.num_seeds
-    state_shape = jax.eval_shape(jax.vmap(init), keys, values)
-    state_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state_shape)) / 2**20
-    devices = sharding.mesh.devices.flat
-    points = f"{len(grid)} grid points x " if config.sweep else ""
-    processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    print(
-        f"{SCRIPT}: {env_name(config)}, {points}{config.num_seeds} seed(s) x {config.num_envs} "
-        f"envs on {sharding.mesh.size} device(s){processes} ({devices[0].device_kind}), "
-        f"{num_chunks} chunks of {iterations_per_chunk} iterations; train state "
-        f"{state_mb / num_runs:.1f} MB per run",
-        flush=True,
-    )
     start = time.perf_counter()
-    # init compiles on a second thread beside the chunk function (XLA compiles on one core).
-    init_fn = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding)
-    init_compiling = ThreadPoolExecutor(1).submit(init_fn.lower(keys, values).compile)
-    replicated = NamedSharding(sharding.mesh, PartitionSpec())
+    state = jax.jit(jax.vmap(init), out_shardings=keys.train.sharding)(keys.train, values)
     chunk_fn = jax.jit(
-        jax.vmap(run_chunk, in_axes=(0, None, 0)),
-        in_shardings=(sharding, replicated, sharding),
-        out_shardings=sharding,
-        donate_argnums=0,
+        jax.vmap(run_chunk, (0, None, 0)), out_shardings=keys.train.sharding, donate_argnums=0
     )
-    chunk_fn = chunk_fn.lower(state_shape, jnp.int32(0), values).compile()
-    state = init_compiling.result()(keys, values)
+    chunk_fn = chunk_fn.lower(state, jnp.int32(0), values).compile()
     compile_seconds = time.perf_counter() - start
-    print(f"compiled in {compile_seconds:.1f} s", flush=True)
-
+    megabytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 2**20 / len(keys.train)
+    print(
+        f"compiled in {compile_seconds:.1f} s; train state {megabytes:.1f} MB per run", flush=True
+    )
+    if is_lead():
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "config.json", dataclasses.asdict(config))
+    writers = open_tensorboard(config, grid, out) if options.track and is_lead() else []
+    plots = Plots(config, options, grid) if is_lead() and (options.plot or options.live) else None
+    num_chunks = chunk_sizes(config)[1]
     stop = stop_on_ctrl_c()
-    waiter = ThreadPoolExecutor(1)
     rows: list[dict] = []
-    steps = 0
-    updates = 0
     start = time.perf_counter()
-    last = start
+    plotted = start
+    state, pending = chunk_fn(state, jnp.int32(0), values)
     for chunk in range(num_chunks):
-        state, metrics = chunk_fn(state, jnp.int32(chunk), values)
-        # Waits for the chunk (a few numbers per run come back) in a thread: Ctrl-C is heard now.
-        metrics, stopped = watch.wait(waiter.submit(gather, metrics, stop))
-        now = time.perf_counter()
-        elapsed = now - start
-        sps = (int(metrics.env_steps[0]) - steps) / (now - last)
-        updates_per_second = (int(metrics.updates[0]) - updates) / (now - last)
-        did_update = int(metrics.updates[0]) > updates
-        steps = int(metrics.env_steps[0])
-        updates = int(metrics.updates[0])
-        last = now
-        for run in range(num_runs):
-            row = {name: float(getattr(metrics, name)[run]) for name in METRIC_COLUMNS}
-            rows.append(
-                {  # the metrics.csv columns, in order: the swept values after the seed
-                    "seed": config.seed + run % config.num_seeds,
-                    **grid[run // config.num_seeds],
-                    "env_steps": steps,
-                    "updates": updates,
-                    "wall_seconds": round(elapsed, 3),
-                    "sps": round(sps, 1),
-                    **row,
-                }
-            )
-        watch.after_chunk(rows, rows[-num_runs:], state)
-        returns = metrics.episode_return
-        shown = "-" if np.isnan(returns).all() else f"{np.nanmean(returns):.1f}"
-        if num_runs > 1 and not np.isnan(returns).all():
-            shown += f" ± {np.nanstd(returns):.1f} (min {np.nanmin(returns):.1f})"
-        if config.sweep and np.isfinite(returns).all():
-            point_means = returns.reshape(len(grid), config.num_seeds).mean(axis=1)
-            best, worst = grid[np.argmax(point_means)], grid[np.argmin(point_means)]
-            shown += f" | best {describe(best)} {point_means.max():.1f}"
-            shown += f", worst {describe(worst)} {point_means.min():.1f}"
-        others = " ".join(
-            f"{name} {np.mean(getattr(metrics, name)):.3g}" for name in PROGRESS_COLUMNS
-        )
-        eta = elapsed / (chunk + 1) * (num_chunks - chunk - 1)
-        total_steps = steps // (chunk + 1) * num_chunks  # every chunk has as many steps
+        wait_for(pending, plots)
+        metrics, stops = fetch((pending, np.array([stop[0]])))
+        stopped = bool(stops.any())  # a Ctrl-C on any process stops every process
+        if stopped and not stop[0]:
+            print(f"{SCRIPT}: Ctrl-C on another process: stopping after this chunk", flush=True)
+        live_params = first_run(trained_params(state)) if plots and plots.render else None
+        if chunk + 1 < num_chunks and not stopped:  # runs while this chunk is logged and drawn
+            state, pending = chunk_fn(state, jnp.int32(chunk + 1), values)
+        now = time.perf_counter() - start
+        new_rows, non_finite = log_chunk(config, grid, metrics, rows, now)
+        rows += new_rows
+        steps = rows[-1]["env_steps"]
+        total = steps // (chunk + 1) * num_chunks  # every chunk has as many steps
+        eta = now / (chunk + 1) * (num_chunks - chunk - 1)
+        done = f"steps {steps:,}/{total:,} ({steps / total:.0%})"
         print(
-            f"steps {steps:,}/{total_steps:,} ({steps / total_steps:.0%}) | SPS {sps:,.0f} | "
-            f"updates/s {updates_per_second:,.0f} | return {shown} | {others} | "
-            f"{elapsed:.1f} s, ETA {eta:.1f} s",
+            f"{done} | {progress(config, grid, metrics, rows)} | {now:.1f} s, ETA {eta:.1f} s",
             flush=True,
         )
-        finite = {"parameter": metrics.params_finite}
-        if did_update:
-            finite |= {name: np.isfinite(getattr(metrics, name)) for name in LOSS_COLUMNS}
-        for name, ok in finite.items():
-            if not ok.all():
-                run = int(np.argmin(ok))
-                seed = config.seed + run % config.num_seeds
-                point = f" ({describe(grid[run // config.num_seeds])})" if config.sweep else ""
-                if is_lead():  # every process stops here: they all have every run's metrics
-                    print(
-                        f"{SCRIPT}: non-finite {name} in chunk {chunk + 1}, seed {seed}{point}; "
-                        f"stopped (the files in {out} hold the chunks so far)",
-                        file=sys.stderr,
-                    )
-                sys.exit(1)
+        for writer, row in zip(writers, rows[-len(grid) * config.num_seeds :], strict=False):
+            for name in ("updates", "wall_seconds", "sps", *METRIC_COLUMNS):
+                if np.isfinite(row[name]):
+                    group = "losses" if name in LOSS_COLUMNS else "charts"
+                    writer.add_scalar(f"{group}/{name}", row[name], steps)
+        if is_lead():
+            write_csv(out / "metrics.csv", rows)
+        if non_finite:  # every process has every run's metrics: they all stop here
+            if is_lead():
+                print(f"{non_finite} (the files in {out} hold the chunks so far)", file=sys.stderr)
+            sys.exit(1)
+        plot_due = options.plot and 0 < options.plot_every <= time.perf_counter() - plotted
+        if plots and (plots.window or plot_due):
+            frames = plots.render(live_params, first_run(keys.render)) if live_params else None
+            plots.update(rows, frames)
+        if plots and plot_due:
+            plots.save(out / "curves.png")
+            plotted = time.perf_counter()
         if stopped:
-            if not stop.is_set():  # (each process hears its own Ctrl-C)
-                print(f"{SCRIPT}: Ctrl-C on another process: stopped after this chunk", flush=True)
             break
     train_seconds = time.perf_counter() - start
-    watch.settle()
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if plots and options.plot:
+        plots.update(rows, None)
+        plots.save(out / "curves.png")
     summary = {
         "train_seconds": train_seconds,
         "compile_seconds": compile_seconds,
-        "env_steps": steps,
-        "updates": updates,
-        "env_steps_per_second": steps / train_seconds,
-        "updates_per_second": updates / train_seconds,
+        "env_steps": rows[-1]["env_steps"],
+        "updates": rows[-1]["updates"],
+        "env_steps_per_second": rows[-1]["env_steps"] / train_seconds,
+        "updates_per_second": rows[-1]["updates"] / train_seconds,
         "stopped_early": stopped,
     }
-    return state, rows, summary
+    return state, rows, writers, summary
 
 
-def main(config: Config) -> None:
-    compile_cache = enable_compile_cache(config)  # before anything starts JAX's backend
+def main(config: Config, options: Options) -> None:
     try:
+        compile_cache = enable_compile_cache(options)  # before anything starts JAX's backend
+        check_options(options)
         validate(config)
-        params = None
-        if config.eval_only:
-            config, params = load_checkpoint(config)
-        if config.distributed:
-            start_distributed(config)
+        if options.eval_only:
+            config, params = load_checkpoint(options.load_model, config)
+        if options.distributed:
+            start_distributed(options)
         grid = sweep_grid(config)
-        if config.track and importlib.util.find_spec("tensorboardX") is None:
-            raise UsageError("--track needs tensorboardX: pip install tensorboardX")
+        num_runs = len(grid) * config.num_seeds
+        devices = jax.devices()  # of every process: the runs are sharded over all of them
+        divides = f"such that the {num_runs} runs divide over the {len(devices)} devices"
+        require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
+        out = Path(options.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
+        if is_lead() and out.is_dir() and any(out.iterdir()) and not options.overwrite:
+            raise UsageError(f"--output-dir {out} already holds files; --overwrite writes there")
+        try:  # can it be made? It is made once the programs are compiled (a Ctrl-C leaves none)
+            if is_lead() and not out.is_dir():
+                out.mkdir(parents=True)
+                out.rmdir()
+        except OSError as error:
+            raise UsageError(f"--output-dir {out} cannot be a folder: {error.strerror}") from None
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
     if not is_lead():
-        print(
-            f"{SCRIPT}: process {jax.process_index()} of {jax.process_count()}, a worker with "
-            f"{jax.local_device_count()} device(s); process 0 prints progress and writes the "
-            "outputs",
-            flush=True,
-        )
+        print(f"{SCRIPT}: process {jax.process_index()}, a worker; process 0 writes", flush=True)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # process 0 speaks
-    print(f"compile cache: {compile_cache}", flush=True)
-    devices = jax.devices()  # of every process: the runs are sharded over all of them
+    started = time.time()
     sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
-    out = Path(config.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
-    if is_lead():
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "config.json", dataclasses.asdict(config))
-    num_runs = len(grid) * config.num_seeds
-    # Each process computes and holds only the keys and values of its own runs.
-    keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
-    values = jax.device_put(run_values(grid, config.num_seeds), sharding)
-    watch = Watch(config, grid, out, keys)
-
-    def evaluate_run(params: Params, key: PRNGKey, values: dict[str, Array]) -> dict[str, Array]:
-        return make_evaluate(with_values(config, values))(params, key)
-
-    evaluate = jax.jit(jax.vmap(evaluate_run), in_shardings=sharding, out_shardings=sharding)
-    summary: dict[str, Any] = {"eval_only": config.eval_only, "stopped_early": False}
-    if config.eval_only:
-        print(f"{SCRIPT}: evaluating {num_runs} run(s) of {config.load_model}", flush=True)
-        params = jax.device_put(params, sharding)
-    else:
-        # The evaluation compiles on a second thread while the chunks run.
-        init = make_train(config)[0]
-        params_shape = jax.eval_shape(jax.vmap(lambda key: trained_params(init(key))), keys.train)
-        evaluate = evaluate.lower(params_shape, keys.evaluate, values)
-        evaluate = ThreadPoolExecutor(1).submit(evaluate.compile)
-        state, rows, train_summary = train_and_log(
-            config, grid, sharding, out, keys.train, values, watch
-        )
-        evaluate = evaluate.result()
-        params = trained_params(state)
-        summary |= train_summary
-    evaluation = fetch(evaluate(params, keys.evaluate, values))
-    saved_params = fetch(params) if config.save_model and not config.eval_only else None
-    if not is_lead():
-        sys.exit(130 if summary["stopped_early"] else 0)  # process 0 writes the outputs
-    if saved_params is not None:
-        save_checkpoint(out / "model.msgpack", config, grid, saved_params)
-    if config.plot and not config.eval_only:
-        plot_curves(out / "curves.png", config, rows)
-    per_run = {name: np.asarray(values).mean(axis=1) for name, values in evaluation.items()}
-    watch.close(summary.get("env_steps", 0), per_run)
-    returns = per_run["episode_return"]
-    solved = int((returns >= SOLVED_RETURN).sum())
-    extras = {name: values for name, values in per_run.items() if name != "episode_return"}
-    others = "".join(f", {name} {values.mean():.3g}" for name, values in extras.items())
-    run, runs = ("run", "runs") if config.sweep else ("seed", "seed(s)")
+    runs = f"{len(grid)} grid points x " * bool(config.sweep) + f"{config.num_seeds} seed(s)"
+    where = (
+        f"{len(devices)} device(s) ({devices[0].device_kind}), {jax.process_count()} process(es)"
+    )
     print(
-        f"evaluation, {config.eval_episodes} deterministic episodes per {run}: return "
-        f"{returns.mean():.1f} ± {returns.std():.1f} (min {returns.min():.1f}); {solved}/"
-        f"{num_runs} {runs} >= {SOLVED_RETURN:g}{others}",
+        f"{SCRIPT}: {env_name(config)}, {runs} x {config.num_envs} envs on {where}; compile cache: "
+        f"{compile_cache}",
         flush=True,
     )
+    # Each process computes and holds only the keys and swept values of its own runs.
+    keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
+    by_run = {
+        name: np.repeat([point[name] for point in grid], config.num_seeds) for name in grid[0]
+    }
+    values = jax.device_put(jax.tree.map(np.float32, by_run), sharding)
+    summary: dict[str, Any] = {"stopped_early": False}
+    writers = []
+    if options.eval_only:
+        params = jax.device_put(params, sharding)
+    else:
+        state, rows, writers, summary = train_and_log(config, options, grid, out, keys, values)
+        params = trained_params(state)
+
+    def evaluate_run(params: Params, key: PRNGKey, values: dict[str, Array]) -> dict[str, Array]:
+        return make_evaluate(with_values(config, values), options.eval_episodes)(params, key)
+
+    evaluation = fetch(jax.jit(jax.vmap(evaluate_run))(params, keys.evaluate, values))
+    per_run = {name: np.mean(values, axis=1) for name, values in evaluation.items()}
+    saved_params = fetch(params) if options.save_model and not options.eval_only else None
+    if not is_lead():
+        sys.exit(130 if summary["stopped_early"] else 0)  # process 0 writes the outputs
+    out.mkdir(parents=True, exist_ok=True)
+    if saved_params is not None:
+        save_checkpoint(out / "model.msgpack", config, grid, saved_params)
+    for run, writer in enumerate(writers):
+        for name, values in per_run.items():
+            writer.add_scalar(f"eval/{name}", values[run], rows[-1]["env_steps"])
+        writer.close()
+    returns = per_run.pop("episode_return")
     summary = {
         "final_returns": returns.tolist(),
         "final_return_mean": float(returns.mean()),
         "final_return_std": float(returns.std()),
-        "solved_fraction": solved / num_runs,
-        **{f"final_{name}": values.tolist() for name, values in extras.items()},
-        **{f"final_{name}_mean": float(values.mean()) for name, values in extras.items()},
+        **{f"final_{name}": values.tolist() for name, values in per_run.items()},
         **summary,
         "num_seeds": config.num_seeds,
         "num_envs": config.num_envs,
-        "eval_episodes": config.eval_episodes,
         "device": f"{len(devices)} x {devices[0].device_kind}",
-        "processes": jax.process_count(),
     }
     if config.sweep:
-        summary["sweep"] = sweep_report(grid, returns)
-        for entry in sorted(summary["sweep"], key=lambda entry: -entry["mean"]):
-            print(
-                f"  {describe(entry['values'])}: {entry['mean']:.1f} ± {entry['std']:.1f}, "
-                f"{entry['solved_fraction']:.0%} of seeds >= {SOLVED_RETURN:g}",
-                flush=True,
-            )
-        write_sweep(out, config, summary["sweep"], [] if config.eval_only else rows)
+        summary["sweep"] = write_sweep(out, config, grid, returns)
     write_json(out / "summary.json", summary)
-    if config.capture_gif:
+    if options.capture_gif:
         render, seconds_per_frame = make_render(with_values(config, grid[0]))
         frames = jax.jit(render)(first_run(params), first_run(keys.render))
-        write_gif(out / "policy.gif", np.asarray(frames), seconds_per_frame)
-    print(f"wrote {', '.join(sorted(path.name for path in out.iterdir()))} in {out}", flush=True)
+        caption = f"{SCRIPT}, seed {config.seed} {describe(grid[0])}: return {returns[0]:.1f}"
+        write_gif(out / "policy.gif", np.asarray(frames), seconds_per_frame, caption)
+    spread = f" ± {returns.std():.1f} (mean ± std over {num_runs} runs)" if num_runs > 1 else ""
+    others = "".join(f", {name} {values.mean():.3g}" for name, values in per_run.items())
+    solved = f"{(returns >= SOLVED_RETURN).sum()}/{num_runs} >= {SOLVED_RETURN:g}"
+    episodes = f"{options.eval_episodes} deterministic episodes per run"
+    print(f"evaluation, {episodes}: return {returns.mean():.1f}{spread}; {solved}{others}")
+    wrote = sorted(path.name for path in out.iterdir() if path.stat().st_mtime >= started)
+    print(f"wrote {', '.join(wrote)} in {out}", flush=True)
     if summary["stopped_early"]:
         sys.exit(130)  # interrupted, as a shell expects after Ctrl-C
 
 
-def parse_config(args: Sequence[str] | None = None) -> Config:
-    return tyro.cli(Config, args=args, description=__doc__.splitlines()[0])
+@dataclasses.dataclass(frozen=True)
+class Arguments:
+    """The command line: the config's flags, then the options (tyro reads both, flat)."""
+
+    config: Annotated[Config, tyro.conf.arg(name="")] = Config()
+    run: Annotated[Options, tyro.conf.OmitArgPrefixes] = Options()  # --help: "run options"
+
+
+def parse_args(args: Sequence[str] | None = None) -> tuple[Config, Options]:
+    parsed = tyro.cli(Arguments, args=args, description=__doc__.splitlines()[0])
+    return parsed.config, parsed.run
 
 
 if __name__ == "__main__":
     try:
-        config = parse_config()
+        main(*parse_args())
+    except KeyboardInterrupt:  # Ctrl-C before training (or a second one): no traceback
+        sys.exit(130)
     except BrokenPipeError:  # `--help | head` closed the pipe: end quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
-    main(config)

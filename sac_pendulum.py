@@ -35,16 +35,12 @@ Params = Any  # a flax parameter tree
 class EnvConfig:
     """Pendulum-v1 physics (envs.PendulumParams); the defaults are gymnasium's."""
 
-    max_speed: float = 8.0
-    """angular velocity limit (rad/s)"""
+    max_speed: float = 8.0  # angular velocity limit (rad/s)
     max_torque: float = 2.0
     """torque limit; the policy's actions are scaled to [-max_torque, max_torque]"""
-    dt: float = 0.05
-    """seconds per step"""
-    g: float = 10.0
-    """gravity (m/s^2)"""
-    m: float = 1.0
-    """mass of the rod (kg)"""
+    dt: float = 0.05  # seconds per step
+    g: float = 10.0  # gravity (m/s^2)
+    m: float = 1.0  # mass of the rod (kg)
     l: float = 1.0  # noqa: E741 (gymnasium's name)
     """length of the rod (m)"""
     max_steps_in_episode: int = 200
@@ -53,47 +49,34 @@ class EnvConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    seed: int = 1
-    """seed of the first run; seed i of --num-seeds uses seed + i"""
-    num_seeds: int = 1
-    """independent runs trained at once in one vmapped program"""
+    seed: int = 1  # seed of the first run; seed i of --num-seeds uses seed + i
+    num_seeds: int = 1  # independent runs trained at once in one vmapped program
     sweep: tuple[str, ...] = ()
-    """NAME=V1,V2,... per swept field (learning-rate=1e-3,3e-3 env.g=9.8,10): every combination
+    """NAME=V1,V2,... per swept field (q-lr=1e-3,3e-3 env.g=9.8,10): every combination
     of the values x --num-seeds runs in one vmapped program (docs/sweeps.md)"""
-    num_envs: int = 16
-    """parallel envs per seed"""
-    total_timesteps: int = 32_000
-    """env steps per seed (all envs together), warm-up included"""
-    policy_lr: float = 3e-3
-    """Adam step size of the actor"""
-    q_lr: float = 3e-3
-    """Adam step size of the critics and of the temperature (CleanRL's q_lr)"""
-    gamma: float = 0.99
-    """discount factor"""
+    num_envs: int = 16  # parallel envs per seed
+    total_timesteps: int = 32_000  # env steps per seed (all envs together), warm-up included
+    policy_lr: float = 3e-3  # Adam step size of the actor
+    q_lr: float = 3e-3  # Adam step size of the critics and of the temperature (CleanRL's q_lr)
+    gamma: float = 0.99  # discount factor
     tau: float = 0.05
     """Polyak step of the target critics: target <- tau * critic + (1 - tau) * target"""
-    batch_size: int = 128
-    """transitions per gradient update"""
-    buffer_size: int = 100_000
-    """replay buffer capacity in transitions (per seed)"""
-    learning_starts: int = 1_000
-    """env steps of uniformly random actions before the first update"""
+    batch_size: int = 128  # transitions per gradient update
+    buffer_size: int = 100_000  # replay buffer capacity in transitions (per seed)
+    learning_starts: int = 1_000  # env steps of uniformly random actions before the first update
     updates_per_step: int = 1
     """gradient updates per vectorised env step (each step adds num_envs transitions)"""
-    hidden_sizes: tuple[int, ...] = (64, 64)
-    """hidden layer widths of the actor and of each critic"""
+    hidden_sizes: tuple[int, ...] = (64, 64)  # hidden layer widths of the actor and of each critic
     max_grad_norm: float | None = None
     """clip the actor's and critics' gradients to this global norm (optax.clip_by_global_norm)"""
     autotune: bool = True
     """tune the temperature alpha towards --target-entropy (from alpha = 1); off: fixed --alpha"""
-    alpha: float = 0.2
-    """the fixed temperature with --no-autotune (CleanRL's default)"""
+    alpha: float = 0.2  # the fixed temperature with --no-autotune (CleanRL's default)
     target_entropy: float | None = None
     """entropy that the temperature is tuned towards; None: -|A| (the SAC paper's choice)"""
     log_every: int = 4_000
     """env steps (all envs) per chunk: one progress line and one metrics row per seed"""
-    env: EnvConfig = EnvConfig()
-    """Pendulum-v1 physics"""
+    env: EnvConfig = EnvConfig()  # Pendulum-v1 physics
 
 
 def make_env(config: Config) -> tuple[envs.Environment, envs.PendulumParams]:
@@ -686,6 +669,7 @@ SOLVED_RETURN = -200.0  # the bar our docs and tests call solved (gymnasium sets
 LOSS_COLUMNS = ("critic_loss", "actor_loss", "alpha", "q_mean", "entropy")  # checked for NaN
 METRIC_COLUMNS = ("episode_return", "episode_length", *LOSS_COLUMNS)  # fields of Metrics
 PROGRESS_COLUMNS = ("critic_loss", "actor_loss", "alpha")  # on each progress line after the return
+EVAL_EPISODES = 100  # deterministic-policy episodes per run in the final evaluation, by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -694,7 +678,7 @@ class Options:
 
     output_dir: str | None = None  # where the outputs go; None: runs/<script>__<seed>__<time>
     overwrite: bool = False  # write into an --output-dir that holds files (replacing ours only)
-    eval_episodes: int = 100  # deterministic-policy episodes per run in the final evaluation
+    eval_episodes: int = EVAL_EPISODES  # deterministic-policy episodes per run in the evaluation
     save_model: bool = True  # write model.msgpack (every run's parameters and the config)
     capture_gif: bool = True  # write policy.gif (the first run's policy in a few envs)
     plot: bool = True  # write curves.png (the metrics against env steps)
@@ -708,7 +692,7 @@ class Options:
     coordinator_address: str | None = None  # HOST:PORT of process 0 (unless a cluster is detected)
     num_processes: int | None = None  # processes of a --distributed run
     process_id: int | None = None  # this process's index in [0, --num-processes)
-    coordinator_timeout: float = 120.0  # seconds a --distributed worker waits for process 0
+    coordinator_timeout: float = 120.0  # seconds the --distributed processes wait for each other
 
 
 class UsageError(Exception):
@@ -759,6 +743,12 @@ def check_options(options: Options) -> None:
     cluster = (options.coordinator_address, options.num_processes, options.process_id)
     if not options.distributed and cluster != (None, None, None):
         raise UsageError("--coordinator-address, --num-processes, --process-id need --distributed")
+    count = 2**31 if options.num_processes is None else options.num_processes
+    require(count >= 1, "num_processes", ">= 1", options.num_processes)
+    process_ok = 0 <= (options.process_id or 0) < count
+    require(process_ok, "process_id", "in [0, --num-processes)", options.process_id)
+    timeout_ok = options.coordinator_timeout > 0
+    require(timeout_ok, "coordinator_timeout", "> 0 seconds", options.coordinator_timeout)
     host, _, port = (options.coordinator_address or "host:1").rpartition(":")
     address_ok = bool(host) and port.isdigit() and 0 < int(port) < 2**16
     require(address_ok, "coordinator_address", "HOST:PORT", options.coordinator_address)
@@ -830,7 +820,8 @@ def enable_compile_cache(options: Options) -> str:
 
 def start_distributed(options: Options) -> None:
     """Join JAX's distributed runtime: jax.devices() then lists the devices of every process. A
-    worker first waits for process 0's port (jax aborts with a C++ trace if it never answers)."""
+    worker first waits for process 0's port: jax would abort with a C++ trace, as it does for a
+    process 0 whose workers do not all come within --coordinator-timeout."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPUs across processes
     host, _, port = (options.coordinator_address or "").rpartition(":")
     deadline = time.monotonic() + options.coordinator_timeout
@@ -841,7 +832,10 @@ def start_distributed(options: Options) -> None:
         time.sleep(0.2)
     try:
         jax.distributed.initialize(
-            options.coordinator_address, options.num_processes, options.process_id
+            options.coordinator_address,
+            options.num_processes,
+            options.process_id,
+            initialization_timeout=round(options.coordinator_timeout),
         )
     except (ValueError, TypeError) as error:
         flags = "--coordinator-address HOST:PORT --num-processes N --process-id I"
@@ -902,10 +896,13 @@ class Plots:
         self.plt = plt
         self.labels = [describe(point) or None for point in grid]
         self.window = options.live and plt.get_backend().lower() not in ("agg", "pdf", "svg")
-        self.figure = (plt.figure if self.window else plt.Figure)((13, 9.6), layout="constrained")
+        rows = len(METRIC_COLUMNS) // 3 + 1  # and a panel for the policy
+        self.figure = (plt.figure if self.window else plt.Figure)(
+            figsize=(13, 3.2 * rows), layout="constrained"
+        )
         runs = f"{len(grid)} grid point(s) x {config.num_seeds} seed(s)"
         self.figure.suptitle(f"{SCRIPT} on {env_name(config)}, {runs}")
-        self.axes = self.figure.subplots(3, 3).flat
+        self.axes = self.figure.subplots(rows, 3).flat
         self.render = (
             jax.jit(make_render(with_values(config, grid[0]))[0]) if options.live else None
         )
@@ -929,7 +926,8 @@ class Plots:
             axis.set(title=name, xlabel="env steps")
         self.axes[0].axhline(SOLVED_RETURN, ls="--", c="gray", label=f"solved ({SOLVED_RETURN:g})")
         self.axes[0].legend(fontsize="small")
-        self.axes[-1].set_axis_off()
+        for axis in self.axes[len(METRIC_COLUMNS) :]:
+            axis.set_axis_off()
         if frames is not None:
             self.frames = np.asarray(frames)
             self.image = self.axes[-1].imshow(self.frames[0])
@@ -937,7 +935,7 @@ class Plots:
 
     def animate(self) -> bool:
         """The policy's next frame in the window, if it is open; False if there is none."""
-        if not self.window or self.frames is None or not self.plt.fignum_exists(self.figure):
+        if not self.window or self.frames is None or not self.plt.fignum_exists(self.figure.number):
             return False
         self.image.set_data(self.frames[int(time.monotonic() * 20) % len(self.frames)])
         self.plt.pause(0.05)
@@ -1015,7 +1013,8 @@ def save_checkpoint(path: Path, config: Config, grid: list[Point], params: Param
 
 def flat(config: Config) -> dict[str, Any]:
     """Every field under its command-line name (the env's as env.<name>)."""
-    return {**vars(config), **{f"env.{name}": value for name, value in vars(config.env).items()}}
+    fields = {name: value for name, value in vars(config).items() if name != "env"}
+    return fields | {f"env.{name}": value for name, value in vars(config.env).items()}
 
 
 def load_checkpoint(path: str, config: Config) -> tuple[Config, Params]:
@@ -1036,7 +1035,9 @@ def load_checkpoint(path: str, config: Config) -> tuple[Config, Params]:
     if saved is None:
         found = f"a {payload['script']} checkpoint for {payload['env']}"
         raise UsageError(f"--load-model {path} is {found}, not {SCRIPT}'s")
-    for name, default in flat(Config()).items():
+    # A flag given here must be the default the command line parsed over or the checkpoint's.
+    defaults = flat(Config())
+    for name, default in defaults.items():
         if flat(config)[name] not in (default, flat(saved)[name]):
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} is set by the checkpoint with --eval-only; leave it out")
@@ -1096,9 +1097,9 @@ def wait_for(tree: Any, plots: "Plots | None") -> None:
 
 def log_chunk(
     config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], seconds: float
-) -> list[dict]:
-    """The chunk's metrics rows, one per run; exits naming the chunk, run and metric that is not
-    finite (every process sees every run's metrics, so they all stop)."""
+) -> tuple[list[dict], str | None]:
+    """The chunk's metrics rows, one per run, and what is not finite in them (or None): the chunk,
+    the run and the metric."""
     last = rows[-1] if rows else {"env_steps": 0, "updates": 0, "wall_seconds": 0.0}
     sps = (metrics.env_steps[0] - last["env_steps"]) / (seconds - last["wall_seconds"])
     new_rows = [
@@ -1121,13 +1122,8 @@ def log_chunk(
             row = new_rows[int(np.argmin(ok))]
             run = describe({key: row[key] for key in grid[0]})
             where = f"chunk {len(rows) // len(new_rows) + 1}, seed {row['seed']} {run}".strip()
-            if is_lead():
-                print(
-                    f"{SCRIPT}: non-finite {name} in {where}; stopped (the files so far stay)",
-                    file=sys.stderr,
-                )
-            sys.exit(1)
-    return new_rows
+            return new_rows, f"{SCRIPT}: non-finite {name} in {where}; stopped"
+    return new_rows, None
 
 
 def progress(config: Config, grid: list[Point], metrics: Metrics, rows: list[dict]) -> str:
@@ -1170,7 +1166,9 @@ def train_and_log(
 
     start = time.perf_counter()
     state = jax.jit(jax.vmap(init), out_shardings=keys.train.sharding)(keys.train, values)
-    chunk_fn = jax.jit(jax.vmap(run_chunk, (0, None, 0)), donate_argnums=0)
+    chunk_fn = jax.jit(
+        jax.vmap(run_chunk, (0, None, 0)), out_shardings=keys.train.sharding, donate_argnums=0
+    )
     chunk_fn = chunk_fn.lower(state, jnp.int32(0), values).compile()
     compile_seconds = time.perf_counter() - start
     megabytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 2**20 / len(keys.train)
@@ -1192,11 +1190,14 @@ def train_and_log(
         wait_for(pending, plots)
         metrics, stops = fetch((pending, np.array([stop[0]])))
         stopped = bool(stops.any())  # a Ctrl-C on any process stops every process
+        if stopped and not stop[0]:
+            print(f"{SCRIPT}: Ctrl-C on another process: stopping after this chunk", flush=True)
         live_params = first_run(trained_params(state)) if plots and plots.render else None
         if chunk + 1 < num_chunks and not stopped:  # runs while this chunk is logged and drawn
             state, pending = chunk_fn(state, jnp.int32(chunk + 1), values)
         now = time.perf_counter() - start
-        rows += log_chunk(config, grid, metrics, rows, now)
+        new_rows, non_finite = log_chunk(config, grid, metrics, rows, now)
+        rows += new_rows
         steps = rows[-1]["env_steps"]
         total = steps // (chunk + 1) * num_chunks  # every chunk has as many steps
         eta = now / (chunk + 1) * (num_chunks - chunk - 1)
@@ -1212,6 +1213,10 @@ def train_and_log(
                     writer.add_scalar(f"{group}/{name}", row[name], steps)
         if is_lead():
             write_csv(out / "metrics.csv", rows)
+        if non_finite:  # every process has every run's metrics: they all stop here
+            if is_lead():
+                print(f"{non_finite} (the files in {out} hold the chunks so far)", file=sys.stderr)
+            sys.exit(1)
         plot_due = options.plot and 0 < options.plot_every <= time.perf_counter() - plotted
         if plots and (plots.window or plot_due):
             frames = plots.render(live_params, first_run(keys.render)) if live_params else None
@@ -1229,6 +1234,8 @@ def train_and_log(
     summary = {
         "train_seconds": train_seconds,
         "compile_seconds": compile_seconds,
+        "env_steps": rows[-1]["env_steps"],
+        "updates": rows[-1]["updates"],
         "env_steps_per_second": rows[-1]["env_steps"] / train_seconds,
         "updates_per_second": rows[-1]["updates"] / train_seconds,
         "stopped_early": stopped,
@@ -1340,12 +1347,12 @@ class Arguments:
     """The command line: the config's flags, then the options (tyro reads both, flat)."""
 
     config: Annotated[Config, tyro.conf.arg(name="")] = Config()
-    options: Annotated[Options, tyro.conf.OmitArgPrefixes] = Options()
+    run: Annotated[Options, tyro.conf.OmitArgPrefixes] = Options()  # --help: "run options"
 
 
 def parse_args(args: Sequence[str] | None = None) -> tuple[Config, Options]:
     parsed = tyro.cli(Arguments, args=args, description=__doc__.splitlines()[0])
-    return parsed.config, parsed.options
+    return parsed.config, parsed.run
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ RUNS = {
     "sac_pendulum": [
         *test_sac_pendulum.TINY_FLAGS,
         "--sweep",
-        "learning-rate=1e-3,3e-3",
+        "gamma=0.9,0.99",
         "--num-seeds",
         "2",
     ],
@@ -121,11 +121,10 @@ def test_two_processes_train_and_evaluate_what_one_process_does(script, tmp_path
 
     lead_out, _ = output(tmp_path / "p0")
     worker_out, worker_err = output(tmp_path / "p1")
-    assert "on 4 device(s) of 2 processes" in lead_out
-    assert worker_out.splitlines() == [
-        f"{script}: process 1 of 2, a worker with 2 device(s); process 0 prints progress and "
-        "writes the outputs"
-    ], worker_err
+    assert "on 4 device(s) (cpu), 2 process(es)" in lead_out
+    assert worker_out.splitlines() == [f"{script}: process 1, a worker; process 0 writes"], (
+        worker_err
+    )
     assert not (tmp_path / "p1").exists()
     lead, reference = tmp_path / "p0", tmp_path / "alone"
     assert sorted(path.name for path in lead.iterdir()) == sorted(
@@ -134,7 +133,6 @@ def test_two_processes_train_and_evaluate_what_one_process_does(script, tmp_path
     assert_same_rows(read_rows(lead / "metrics.csv"), read_rows(reference / "metrics.csv"))
     summary = json.loads((lead / "summary.json").read_text())
     expected = json.loads((reference / "summary.json").read_text())
-    assert summary["processes"] == 2 and expected["processes"] == 1
     np.testing.assert_allclose(summary["final_returns"], expected["final_returns"], rtol=1e-3)
     for got, want in zip(
         checkpoint_params(lead / "model.msgpack"),
@@ -168,14 +166,14 @@ def test_ctrl_c_on_a_worker_stops_every_process_after_the_chunk(tmp_path):
     summary = json.loads((tmp_path / "p0" / "summary.json").read_text())
     assert summary["stopped_early"] and 0 < summary["env_steps"] < 1_000_000
     assert (tmp_path / "p0" / "model.msgpack").exists()
-    assert "Ctrl-C on another process: stopped after this chunk" in output(tmp_path / "p0")[0]
+    assert "Ctrl-C on another process: stopping after this chunk" in output(tmp_path / "p0")[0]
     assert "Ctrl-C: stopping after this chunk" in output(tmp_path / "p1")[1]  # the worker's stderr
 
 
 def test_a_non_finite_loss_stops_every_process_and_process_0_says_so(tmp_path):
     """Every process holds every run's metrics, so all stop after the same chunk (exit 1); the
     message comes once, from process 0, and what it wrote stays valid."""
-    flags = [*test_sac_pendulum.TINY_FLAGS, "--learning-rate", "1e30", "--num-seeds", "2"]
+    flags = [*test_sac_pendulum.TINY_FLAGS, "--q-lr", "1e30", "--num-seeds", "2"]
     pair = start_pair("sac_pendulum", [*flags, "--no-plot", "--no-capture-gif"], tmp_path, 1)
     assert finish(pair, timeout=240) == [1, 1], output(tmp_path / "p0")
     lead_err, worker_err = output(tmp_path / "p0")[1], output(tmp_path / "p1")[1]
@@ -185,29 +183,24 @@ def test_a_non_finite_loss_stops_every_process_and_process_0_says_so(tmp_path):
 
 
 def test_a_coordinator_nobody_reaches_ends_in_one_line_and_exit_2(tmp_path):
-    """A worker whose coordinator is not there, and a process 0 whose worker never comes, each
-    give up after --coordinator-timeout with one line (jax alone would abort with a C++ stack
-    trace, or wait for minutes)."""
+    """A worker whose process 0 is not there gives up after --coordinator-timeout with one line
+    (jax alone would abort with a C++ stack trace); a process 0 whose worker never comes ends
+    after the same timeout (jax's own abort): neither waits for ever."""
     began = time.monotonic()
     alone = []
     for process in (0, 1):  # each at its own address: neither meets the other
         flags = ["--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}"]
-        flags += [
-            "--num-processes",
-            "2",
-            "--process-id",
-            str(process),
-            "--coordinator-timeout",
-            "2",
-        ]
-        alone.append(start("sac_pendulum", flags, tmp_path / f"p{process}", 1))
-    assert finish(alone, timeout=60) == [2, 2]
-    assert time.monotonic() - began < 60
-    for process in (0, 1):
-        out, err = output(tmp_path / f"p{process}")
-        assert out == "" and len(err.strip().splitlines()) == 1, err
-        assert "the processes did not all reach the coordinator at 127.0.0.1:" in err
-        assert "within 2 s (--coordinator-timeout)" in err
+        flags += ["--num-processes", "2", "--process-id", str(process)]
+        alone.append(
+            start(
+                "sac_pendulum", [*flags, "--coordinator-timeout", "2"], tmp_path / f"p{process}", 1
+            )
+        )
+    lead, worker = finish(alone, timeout=90)
+    assert lead != 0 and worker == 2 and time.monotonic() - began < 90
+    out, err = output(tmp_path / "p1")
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert "--distributed: process 0 not reached at 127.0.0.1:" in err and "within 2 s" in err
 
 
 def test_runs_that_do_not_divide_over_every_process_s_devices_are_refused(tmp_path):
@@ -216,16 +209,16 @@ def test_runs_that_do_not_divide_over_every_process_s_devices_are_refused(tmp_pa
     assert finish(pair, timeout=120) == [2, 2]
     for process in (0, 1):
         err = output(tmp_path / f"p{process}")[1]
-        assert "--num-seeds must be a multiple of the 2 devices of 2 processes, got 3" in err
+        assert "--num-seeds must be such that the 3 runs divide over the 2 devices, got 3" in err
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--process-id", "1"], "--coordinator-address, --num-processes and --process-id go"),
+        (["--process-id", "1"], "--coordinator-address, --num-processes, --process-id need --"),
         (
             ["--distributed", "--num-processes", "2", "--process-id", "2"],
-            "--process-id must be in [0, 2) (--num-processes 2), got 2",
+            "--process-id must be in [0, --num-processes), got 2",
         ),
         (["--distributed", "--num-processes", "0"], "--num-processes must be >= 1, got 0"),
         (
@@ -241,7 +234,7 @@ def test_runs_that_do_not_divide_over_every_process_s_devices_are_refused(tmp_pa
 )
 def test_distributed_flags_are_checked_before_anything_starts(flags, message):
     with pytest.raises(sac_pendulum.UsageError, match=re.escape(message)):
-        sac_pendulum.validate(sac_pendulum.parse_config(flags))
+        sac_pendulum.check_options(sac_pendulum.parse_args(flags)[1])
 
 
 def test_without_a_cluster_distributed_says_what_to_give(tmp_path):
@@ -257,7 +250,7 @@ def test_without_a_cluster_distributed_says_what_to_give(tmp_path):
         },
     )
     assert result.returncode == 2 and result.stdout == ""
-    assert "no cluster detected (SLURM, Open MPI, ...)" in result.stderr
+    assert "with no cluster detected, give" in result.stderr
     assert len(result.stderr.splitlines()) == 1
     assert "--coordinator-address HOST:PORT --num-processes N --process-id I" in result.stderr
 
@@ -284,23 +277,17 @@ def test_runs_never_communicate_inside_a_chunk(script):
 import re, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import {script} as script
-config = script.parse_config(["--num-seeds", "4"])
-grid = script.sweep_grid(config)
+config = script.parse_args(["--num-seeds", "4", "--sweep", "gamma=0.9,0.99"])[0]
 sharding = NamedSharding(Mesh(np.array(jax.devices()), ("runs",)), PartitionSpec("runs"))
-keys = script.seed_keys(config, len(grid)).train
-values = script.run_values(grid, config.num_seeds)
+keys = jax.device_put(script.seed_keys(config, 2).train, sharding)
+values = jax.device_put({"gamma": np.float32([0.9] * 4 + [0.99] * 4)}, sharding)
 def init(key, values):
     return script.make_train(script.with_values(config, values))[0](key)
 def run_chunk(state, chunk, values):
     return script.make_train(script.with_values(config, values))[1](state, chunk)
-state = jax.eval_shape(jax.vmap(init), keys, values)
-init_fn = jax.jit(jax.vmap(init), in_shardings=sharding, out_shardings=sharding)
-replicated = NamedSharding(sharding.mesh, PartitionSpec())
-chunk_fn = jax.jit(
-    jax.vmap(run_chunk, in_axes=(0, None, 0)),
-    in_shardings=(sharding, replicated, sharding),
-    out_shardings=sharding,
-)
+init_fn = jax.jit(jax.vmap(init), out_shardings=sharding)  # as the script's train_and_log
+state = init_fn(keys, values)
+chunk_fn = jax.jit(jax.vmap(run_chunk, (0, None, 0)), out_shardings=sharding, donate_argnums=0)
 for program in (init_fn.lower(keys, values), chunk_fn.lower(state, jnp.int32(0), values)):
     text = program.compile().as_text()
     print(len(text), sorted(set(re.findall(

@@ -31,7 +31,6 @@ TINY = ppo.Config(
     hidden_size=16,
     log_every=128,
     total_timesteps=256,
-    eval_episodes=2,
     env=ppo.EnvConfig(max_steps_in_episode=50),
 )
 TINY_FLAGS = [
@@ -226,13 +225,13 @@ def test_same_seed_gives_identical_metrics(tiny_runs):
 def test_evaluation_starts_from_other_states_than_training():
     """The evaluation's key is split from the seed's key beside training's, not folded from it:
     its first reset states share nothing with the training envs' first reset states."""
-    config = dataclasses.replace(TINY, num_envs=8, eval_episodes=8)
+    config = dataclasses.replace(TINY, num_envs=8)
     keys = ppo.seed_keys(config)
     init, _, _ = ppo.make_train(config)
     training_obs = np.asarray(jax.jit(init)(keys.train[0]).obs)
     env, env_params = ppo.make_env(config)
     reset_key, _ = jax.random.split(keys.evaluate[0])  # as make_greedy_episodes splits it
-    reset_keys = jax.random.split(reset_key, config.eval_episodes)
+    reset_keys = jax.random.split(reset_key, 8)
     evaluation_obs = np.asarray(jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0])
     assert not np.isclose(training_obs[:, None, :], evaluation_obs[None, :, :]).all(-1).any()
     assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3
@@ -280,14 +279,27 @@ def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
         (dict(clip_coef=0.0), "--clip-coef"),
         (dict(num_minibatches=3), "--num-minibatches"),
         (dict(total_timesteps=100), "--total-timesteps"),
+        (dict(gae_lambda=1.5), "--gae-lambda"),
+        (dict(max_grad_norm=0.0), "--max-grad-norm"),
         (dict(env=ppo.EnvConfig(length=0.0)), "--env.length"),
-        (dict(eval_only=True), "--load-model"),
-        (dict(load_model="model.msgpack"), "--eval-only"),
     ],
 )
 def test_validate_names_the_bad_flag(change, flag):
     with pytest.raises(ppo.UsageError, match=flag):
         ppo.validate(dataclasses.replace(TINY, **change))
+
+
+@pytest.mark.parametrize(
+    "options, flag",
+    [
+        (ppo.Options(eval_only=True), "--load-model"),
+        (ppo.Options(load_model="model.msgpack"), "--eval-only"),
+        (ppo.Options(eval_episodes=0), "--eval-episodes"),
+    ],
+)
+def test_check_options_names_the_bad_flag(options, flag):
+    with pytest.raises(ppo.UsageError, match=flag):
+        ppo.check_options(options)
 
 
 @pytest.mark.parametrize(
@@ -305,7 +317,7 @@ def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, m
     """In process: main validates before anything is compiled."""
     monkeypatch.setattr(ppo.jax, "jit", None)  # nothing may be compiled on the way to the error
     with pytest.raises(SystemExit) as exit_:
-        ppo.main(ppo.parse_config([*flags, "--no-compile-cache"]))
+        ppo.main(*ppo.parse_args([*flags, "--no-compile-cache"]))
     assert exit_.value.code == 2
     stderr = capsys.readouterr().err
     assert len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
@@ -322,7 +334,7 @@ def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, m
 )
 def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
     with pytest.raises(SystemExit) as exit_:
-        ppo.parse_config(flags)
+        ppo.parse_args(flags)
     assert exit_.value.code == 2
     assert name in capsys.readouterr().err
 
@@ -349,6 +361,7 @@ def test_help_and_bad_flags_from_the_command_line():
         "--vf-coef",
         "--max-grad-norm",
         "--output-dir",
+        "--overwrite",
         "--no-save-model",
         "--no-capture-gif",
         "--no-plot",
@@ -380,7 +393,7 @@ def finished_run(tmp_path_factory, compile_cache):
 
 def test_run_writes_every_output(finished_run):
     out, result = finished_run
-    assert result.stdout.startswith("compile cache: ")
+    assert "compile cache: " in result.stdout.splitlines()[0] and "MB per run" in result.stdout
     assert "compiled in" in result.stdout and "SPS" in result.stdout
     for name in [
         "config.json",
@@ -394,7 +407,14 @@ def test_run_writes_every_output(finished_run):
     assert not list(out.glob(".*tmp*"))  # no temporary files left behind
     assert json.loads((out / "config.json").read_text())["num_seeds"] == 2
     rows = list(csv.DictReader((out / "metrics.csv").open()))
-    assert tuple(rows[0]) == ppo.CSV_COLUMNS
+    assert tuple(rows[0]) == (
+        "seed",
+        "env_steps",
+        "updates",
+        "wall_seconds",
+        "sps",
+        *ppo.METRIC_COLUMNS,
+    )
     assert len(rows) == 2 * ppo.chunk_sizes(TINY)[1]
     assert [row["seed"] for row in rows[:2]] == ["1", "2"]
     assert [int(row["env_steps"]) for row in rows[::2]] == [128, 256]
@@ -497,12 +517,13 @@ def test_compile_cache_is_where_the_first_line_says_and_off_on_request(finished_
     flags = [*evaluate, "--output-dir", str(tmp_path / "cached")]
     result = run(*flags, env={"JAX_COMPILATION_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[0] == f"compile cache: {cache}"
+    assert result.stdout.splitlines()[0].endswith(f"compile cache: {cache}")
     assert any(cache.iterdir())  # the programs were stored for the next run
     home = tmp_path / "home"  # where the default cache would go
     flags = [*evaluate, "--no-compile-cache", "--output-dir", str(tmp_path / "uncached")]
     result = run(*flags, env={"XDG_CACHE_HOME": str(home)})
-    assert result.returncode == 0 and result.stdout.startswith("compile cache: off")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].endswith("compile cache: off (--no-compile-cache)")
     assert not home.exists()
 
 
@@ -527,8 +548,11 @@ def test_non_finite_loss_stops_with_chunk_seed_and_metric(compile_cache, tmp_pat
     result = run(*flags, env=compile_cache)
     assert result.returncode == 1
     assert "non-finite" in result.stderr and "chunk 1, seed 1" in result.stderr
+    # What was written stays valid: the config and the rows up to the chunk that stopped it.
+    assert json.loads((tmp_path / "config.json").read_text())["learning_rate"] == float("inf")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.json", "metrics.csv"]
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
-    assert len(rows) == 1  # what was written stays valid
+    assert len(rows) == 1 and rows[0]["value_loss"] == "nan"
 
 
 def test_ctrl_c_stops_after_the_chunk_and_writes_everything(compile_cache, tmp_path):
@@ -546,13 +570,77 @@ def test_ctrl_c_stops_after_the_chunk_and_writes_everything(compile_cache, tmp_p
             break
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 130, stderr  # as a shell expects of an interrupted program
-    assert "stopping after this chunk" in stdout
+    assert "stopping after this chunk" in stderr and "Traceback" not in stderr
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert 1 <= len(rows) < 10_000
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stopped_early"] and summary["env_steps"] == 128 * len(rows)
     for name in ["curves.png", "policy.gif", "model.msgpack"]:
         assert (tmp_path / name).exists(), name
+
+
+def test_output_dir_that_is_a_file_or_cannot_be_made_is_one_line_and_exit_2(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine\n")
+    for where in [a_file, Path("/proc/no_such_folder")]:
+        result = run(*TINY_FLAGS, "--output-dir", str(where))
+        assert result.returncode == 2 and "--output-dir" in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "compiled" not in result.stdout
+
+
+def test_a_folder_with_files_needs_overwrite_which_keeps_the_users_files(compile_cache, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    refused = run(*TINY_FLAGS, "--output-dir", str(tmp_path))
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr, refused.stderr
+    result = run(
+        *TINY_FLAGS, *QUIET, "--overwrite", "--output-dir", str(tmp_path), env=compile_cache
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+    *_, evaluation, wrote = result.stdout.splitlines()
+    assert wrote.startswith("wrote config.json, metrics.csv, summary.json in"), wrote
+    assert "return " in evaluation and " ± " not in evaluation  # one run: no spread of one number
+
+
+def test_ctrl_c_during_compile_exits_130_without_a_traceback_or_a_folder(tmp_path):
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *TINY_FLAGS, "--output-dir", str(out), "--no-compile-cache"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    process.stdout.readline()  # the first line comes just before the programs compile
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr
+    assert "compiled" not in stdout and not out.exists()
+
+
+def test_the_solved_line_is_labelled_and_the_gif_says_what_it_shows(finished_run):
+    from PIL import Image
+
+    out, _ = finished_run
+    rows = [
+        {name: float(value) for name, value in row.items()}
+        for row in csv.DictReader((out / "metrics.csv").open())
+    ]
+    plots = ppo.Plots(TINY, ppo.Options(), [{}])
+    plots.update(rows, None)
+    assert "solved (475)" in plots.axes[0].get_legend_handles_labels()[1]
+    caption = np.asarray(Image.open(out / "policy.gif").convert("L"))[:16]
+    assert caption.min() < 100  # dark caption text above the white frames
+
+
+def test_a_chunk_runs_without_any_host_transfer():
+    init, run_chunk, _ = ppo.make_train(TINY)
+    chunk = jax.jit(run_chunk, donate_argnums=0)
+    state = jax.jit(init)(jax.random.key(0))
+    state, _ = chunk(state, jnp.int32(0))  # compiled outside the guard (compiling may transfer)
+    index = jax.device_put(jnp.int32(1))
+    with jax.transfer_guard("disallow"):
+        state, metrics = chunk(state, index)
+    assert int(metrics.updates) == 2 * 2 * 2 * 2  # chunks x iterations x epochs x minibatches
 
 
 # ---- learning ----
@@ -568,7 +656,7 @@ def test_default_config_learns_to_balance():
     keys = ppo.seed_keys(config)
     _, _, train = ppo.make_train(config)
     state, metrics = jax.jit(jax.vmap(train))(keys.train)
-    evaluate = jax.jit(jax.vmap(ppo.make_evaluate(config)))
+    evaluate = jax.jit(jax.vmap(ppo.make_evaluate(config, num_episodes=10)))
     returns = np.asarray(evaluate(ppo.trained_params(state), keys.evaluate)["episode_return"])
     returns = returns.mean(axis=1)
     assert np.all(np.asarray(metrics.episode_return)[:, 0] < 100)  # it starts out failing

@@ -33,9 +33,9 @@ TINY = ppo.Config(
     hidden_size=16,
     log_every=128,
     total_timesteps=256,
-    eval_episodes=2,
     env=ppo.EnvConfig(grid_size=6),
 )
+EVAL_EPISODES = 2  # as --eval-episodes in TINY_FLAGS
 TINY_FLAGS = [
     "--num-envs",
     "4",
@@ -273,6 +273,18 @@ def test_cli_chunk_loop_equals_train(two_seed_run):
     )
 
 
+def test_a_chunk_runs_without_any_host_transfer():
+    init, run_chunk, _ = ppo.make_train(TINY)
+    chunk = jax.jit(run_chunk, donate_argnums=0)
+    state = jax.jit(init)(jax.random.key(0))
+    index = jnp.int32(0)
+    state, _ = chunk(state, index)  # compiled outside the guard (compiling may transfer)
+    index = jax.device_put(jnp.int32(1))
+    with jax.transfer_guard("disallow"):
+        state, metrics = chunk(state, index)
+    assert int(metrics.updates) > 0
+
+
 def test_score_counts_food(two_seed_run):
     """Food eaten = return + 1 for an episode that ended in a death: between return and + 1."""
     _, _, (_, metrics) = two_seed_run
@@ -286,12 +298,12 @@ def test_evaluation_starts_from_other_states_than_training():
     its first reset states share nothing with the training envs' first reset states (a reset
     state is the head's and the food's cells: 159,600 of them on 20x20, so no pair of 64 meets
     by chance)."""
-    config = dataclasses.replace(TINY, num_envs=8, eval_episodes=8, env=ppo.EnvConfig(20))
+    config = dataclasses.replace(TINY, num_envs=8, env=ppo.EnvConfig(20))
     keys = ppo.seed_keys(config)
     init, _, _ = ppo.make_train(config)
     training_obs = np.asarray(jax.jit(init)(keys.train[0]).obs)
     env, env_params = ppo.make_env(config)
-    episode_keys = jax.random.split(keys.evaluate[0], config.eval_episodes)  # as evaluate does
+    episode_keys = jax.random.split(keys.evaluate[0], 8)  # as evaluate does for 8 episodes
     reset_keys = jax.vmap(lambda key: jax.random.split(key)[0])(episode_keys)
     evaluation_obs = np.asarray(jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0])
     same = (training_obs[:, None] == evaluation_obs[None, :]).all(axis=(-3, -2, -1))
@@ -303,10 +315,10 @@ def test_evaluate_and_render_shapes(two_seed_run):
     config, _, (state, _) = two_seed_run
     keys = ppo.seed_keys(config)
     params = ppo.trained_params(state)
-    episodes = jax.jit(jax.vmap(ppo.make_evaluate(config)))(params, keys.evaluate)
+    episodes = jax.jit(jax.vmap(ppo.make_evaluate(config, EVAL_EPISODES)))(params, keys.evaluate)
     assert set(episodes) == {"episode_return", "score", "win", "episode_length"}
     for values in episodes.values():
-        assert values.shape == (2, config.eval_episodes)
+        assert values.shape == (2, EVAL_EPISODES)
     died = episodes["score"] - episodes["episode_return"]
     assert np.isin(np.asarray(died), [0.0, 1.0]).all()
     render, seconds_per_frame = ppo.make_render(config)
@@ -337,14 +349,26 @@ def test_evaluate_and_render_shapes(two_seed_run):
         (dict(num_minibatches=3), "--num-minibatches"),
         (dict(total_timesteps=100), "--total-timesteps"),
         (dict(seed=-1), "--seed"),
-        (dict(eval_only=True), "--eval-only"),
-        (dict(load_model="model.msgpack"), "--load-model"),
     ],
 )
 def test_validate_names_the_bad_flag(change, flag):
     with pytest.raises(ppo.UsageError, match=flag):
         ppo.validate(dataclasses.replace(TINY, **change))
     ppo.validate(TINY)
+
+
+@pytest.mark.parametrize(
+    "options, flag",
+    [
+        (ppo.Options(eval_only=True), "--eval-only"),
+        (ppo.Options(load_model="model.msgpack"), "--load-model"),
+        (ppo.Options(eval_episodes=0), "--eval-episodes"),
+    ],
+)
+def test_check_options_names_the_bad_flag(options, flag):
+    with pytest.raises(ppo.UsageError, match=flag):
+        ppo.check_options(options)
+    ppo.check_options(ppo.Options())
 
 
 @pytest.mark.parametrize(
@@ -361,7 +385,7 @@ def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, m
     """In process: main validates before anything is compiled."""
     monkeypatch.setattr(ppo.jax, "jit", None)  # nothing may be compiled on the way to the error
     with pytest.raises(SystemExit) as exit_:
-        ppo.main(ppo.parse_config(flags))
+        ppo.main(*ppo.parse_args(flags))
     assert exit_.value.code == 2
     stderr = capsys.readouterr().err
     assert len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
@@ -378,7 +402,7 @@ def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, m
 )
 def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
     with pytest.raises(SystemExit) as exit_:
-        ppo.parse_config(flags)
+        ppo.parse_args(flags)
     assert exit_.value.code == 2
     assert name in capsys.readouterr().err
 
@@ -424,6 +448,7 @@ def test_help_lists_every_option():
         "--max-grad-norm",
         "--num-seeds",
         "--output-dir",
+        "--overwrite",
         "--no-save-model",
         "--no-capture-gif",
         "--no-plot",
@@ -461,8 +486,9 @@ def finished_run(tmp_path_factory, compile_cache):
 
 def test_run_writes_every_output(finished_run, compile_cache):
     out, result = finished_run
-    assert result.stdout.startswith(f"compile cache: {compile_cache['JAX_COMPILATION_CACHE_DIR']}")
-    assert "Snake 6x6" in result.stdout and "compiled in" in result.stdout
+    first_line = result.stdout.splitlines()[0]
+    assert first_line.endswith(f"compile cache: {compile_cache['JAX_COMPILATION_CACHE_DIR']}")
+    assert "Snake 6x6" in first_line and "compiled in" in result.stdout
     progress = [line for line in result.stdout.splitlines() if line.startswith("steps ")]
     assert len(progress) == 2 and all("score" in line and "win_rate" in line for line in progress)
     for name in [
@@ -478,7 +504,14 @@ def test_run_writes_every_output(finished_run, compile_cache):
     config = json.loads((out / "config.json").read_text())
     assert config["num_seeds"] == 2 and config["env"]["grid_size"] == 6
     rows = list(csv.DictReader((out / "metrics.csv").open()))
-    assert tuple(rows[0]) == ppo.CSV_COLUMNS
+    assert tuple(rows[0]) == (
+        "seed",
+        "env_steps",
+        "updates",
+        "wall_seconds",
+        "sps",
+        *ppo.METRIC_COLUMNS,
+    )
     assert len(rows) == 2 * ppo.chunk_sizes(TINY)[1]
     assert [row["seed"] for row in rows] == ["5", "6", "5", "6"]
     summary = json.loads((out / "summary.json").read_text())
@@ -486,10 +519,9 @@ def test_run_writes_every_output(finished_run, compile_cache):
         "final_returns",
         "final_return_mean",
         "final_return_std",
-        "solved_fraction",
-        "final_score_mean",
-        "final_win_mean",
-        "final_episode_length_mean",
+        "final_score",
+        "final_win",
+        "final_episode_length",
         "train_seconds",
         "compile_seconds",
         "env_steps_per_second",
@@ -501,7 +533,33 @@ def test_run_writes_every_output(finished_run, compile_cache):
         assert key in summary, key
     assert len(summary["final_returns"]) == len(summary["final_score"]) == 2
     assert summary["env_steps"] == 256
-    assert summary["final_score_mean"] >= 0 and 0 <= summary["final_win_mean"] <= 1
+    assert min(summary["final_score"]) >= 0
+    assert all(0 <= win <= 1 for win in summary["final_win"])
+    evaluation = result.stdout.splitlines()[-2]  # the means of the evaluation's other metrics
+    assert evaluation.startswith("evaluation, 2 deterministic episodes per run")
+    assert all(name in evaluation for name in [" ± ", "score ", "win ", "episode_length "])
+
+
+def test_the_curves_show_every_metric_and_the_policy_in_the_last_panel(finished_run):
+    """Snake has nine metric columns: the figure grows a row, so that each has its panel and the
+    policy keeps the last one; the solved line is labelled and the GIF has its caption."""
+    from PIL import Image
+
+    out, _ = finished_run
+    rows = [
+        {name: float(value) for name, value in row.items()}
+        for row in csv.DictReader((out / "metrics.csv").open())
+    ]
+    plots = ppo.Plots(TINY, ppo.Options(), [{}])
+    plots.update(rows, np.zeros((2, 8, 8, 3), np.uint8))
+    axes = list(plots.axes)
+    titles = [axis.get_title() for axis in axes[: len(ppo.METRIC_COLUMNS)]]
+    assert titles == list(ppo.METRIC_COLUMNS)
+    assert len(axes) > len(ppo.METRIC_COLUMNS) and axes[-1].images
+    assert not any(axis.images for axis in axes[: len(ppo.METRIC_COLUMNS)])
+    assert "solved (45)" in axes[0].get_legend_handles_labels()[1]
+    caption = np.asarray(Image.open(out / "policy.gif").convert("L"))[:16]
+    assert caption.min() < 100  # dark caption text above the white frames
 
 
 def without_timing(path: Path) -> list[dict]:
@@ -527,6 +585,28 @@ def test_same_seed_gives_identical_metrics(finished_run, tmp_path, compile_cache
     )
     assert result.returncode == 0, result.stderr
     assert without_timing(out / "metrics.csv") == without_timing(tmp_path / "metrics.csv")
+
+
+def test_output_dir_that_is_a_file_or_cannot_be_made_is_one_line_and_exit_2(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine\n")
+    for where in [a_file, Path("/proc/no_such_folder")]:
+        result = run(*TINY_FLAGS, "--output-dir", str(where))
+        assert result.returncode == 2 and "--output-dir" in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "compiled" not in result.stdout
+
+
+def test_a_folder_with_files_needs_overwrite_which_keeps_the_users_files(tmp_path, compile_cache):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    refused = run(*TINY_FLAGS, "--output-dir", str(tmp_path))
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr, refused.stderr
+    quiet = ["--no-plot", "--no-capture-gif", "--no-save-model", "--overwrite"]
+    flags = [*TINY_FLAGS, "--num-seeds", "2", "--seed", "5", *quiet]  # finished_run's programs
+    result = run(*flags, "--output-dir", str(tmp_path), env=compile_cache)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+    wrote = result.stdout.splitlines()[-1]
+    assert wrote.startswith("wrote config.json, metrics.csv, summary.json in"), wrote
 
 
 def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path, compile_cache):
@@ -652,7 +732,7 @@ def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path, compile_ca
             break
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 130, stderr  # as a shell expects of an interrupted program
-    assert "stopping after this chunk" in stdout
+    assert "stopping after this chunk" in stderr and "Traceback" not in stderr
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert 1 <= len(rows) < 10_000
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -684,12 +764,11 @@ def test_short_run_learns_to_eat():
         update_epochs=2,
         total_timesteps=163_840,
         log_every=16_384,
-        eval_episodes=20,
     )
     keys = ppo.seed_keys(config)
     _, _, train = ppo.make_train(config)
     state, metrics = jax.jit(jax.vmap(train))(keys.train)
-    evaluate = jax.jit(jax.vmap(ppo.make_evaluate(config)))
+    evaluate = jax.jit(jax.vmap(ppo.make_evaluate(config, num_episodes=20)))
     scores = np.asarray(evaluate(ppo.trained_params(state), keys.evaluate)["score"]).mean(axis=1)
     first_chunk = np.asarray(metrics.score[:, 0])
     assert np.all(first_chunk < 0.6), first_chunk

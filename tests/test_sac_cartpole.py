@@ -1,7 +1,8 @@
 """Tests of sac_cartpole.py: the per-task defaults, bootstrapping (terminations stop it, the time
 limit does not), the upright count of the evaluation, the GIF, seeds under vmap, independent
-evaluation keys, the CLI contract (in process and in subprocesses) and, marked slow, that the
-default config learns to balance. The buffer, the losses and the tanh-Gaussian are
+evaluation keys, the update's separate rates and fixed temperature, a chunk without host
+transfers, the CLI contract (in process and in subprocesses) and, marked slow, that the default
+config learns to balance. The buffer, the losses and the tanh-Gaussian are
 sac_pendulum.py's and are tested there."""
 
 import csv
@@ -35,7 +36,6 @@ TINY = sac.Config(
     batch_size=8,
     buffer_size=128,
     hidden_sizes=(16,),
-    eval_episodes=4,
     env=sac.EnvConfig(x_threshold=0.03, max_steps_in_episode=8),
 )
 TINY_FLAGS = [
@@ -68,7 +68,8 @@ TINY_FLAGS = [
 
 
 def test_each_task_has_its_defaults_and_flags_override_them():
-    assert sac.parse_config([]) == sac.Config() == sac.default_config("CartPoleContinuous")
+    assert sac.parse_args([]) == (sac.Config(), sac.Options())
+    assert sac.Config() == sac.default_config("CartPoleContinuous")
     swingup = sac.default_config("CartPoleSwingup")
     assert swingup.env_id == "CartPoleSwingup"
     assert swingup != dataclasses.replace(sac.Config(), env_id="CartPoleSwingup")  # its own
@@ -77,8 +78,11 @@ def test_each_task_has_its_defaults_and_flags_override_them():
         ["--env_id=CartPoleSwingup", "--gamma", "0.9"],
         ["--env-id=CartPoleSwingup", "--gamma", "0.9"],
     ]:
-        assert sac.parse_config(flags) == dataclasses.replace(swingup, gamma=0.9)
-    assert sac.parse_config(["--env.force-mag", "20"]).env == sac.EnvConfig(force_mag=20.0)
+        assert sac.parse_args(flags) == (dataclasses.replace(swingup, gamma=0.9), sac.Options())
+    assert sac.parse_args(["--env.force-mag", "20"])[0].env == sac.EnvConfig(force_mag=20.0)
+    # the options are read beside the task's config, flat
+    config, options = sac.parse_args(["--env-id", "CartPoleSwingup", "--eval-episodes", "7"])
+    assert config == swingup and options == sac.Options(eval_episodes=7)
 
 
 # ---- bootstrapping: terminations stop it, the time limit does not ----
@@ -184,7 +188,7 @@ def test_cli_chunk_loop_equals_train(two_seed_run):
 def test_evaluation_and_gif_start_from_other_states_than_training():
     """White-box: the first reset states of training (init), of the evaluation and of the GIF,
     each derived as the script derives them from seed_keys, share no state."""
-    config = dataclasses.replace(sac.Config(), num_envs=16, eval_episodes=16)
+    config = dataclasses.replace(sac.Config(), num_envs=16)
     env, env_params = sac.make_env(config)
     keys = sac.seed_keys(config)
     init, _, _ = sac.make_train(config)
@@ -194,7 +198,7 @@ def test_evaluation_and_gif_start_from_other_states_than_training():
         reset_keys = jax.random.split(jax.random.split(key)[0], count)
         return jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0]
 
-    evaluation = first_states(keys.evaluate[0], config.eval_episodes)
+    evaluation = first_states(keys.evaluate[0], 16)
     gif = first_states(keys.render[0], sac.GIF_ENVS)
     states = np.concatenate([training, evaluation, gif])
     assert len(np.unique(states, axis=0)) == len(states)
@@ -227,10 +231,8 @@ def no_force_params(config: sac.Config) -> dict:
 def test_evaluation_counts_episodes_upright_through_the_second_half(
     env_id, steps, expected_upright
 ):
-    config = dataclasses.replace(
-        TINY, env_id=env_id, eval_episodes=8, env=sac.EnvConfig(max_steps_in_episode=steps)
-    )
-    evaluation = jax.jit(sac.make_evaluate(config))(no_force_params(config), jax.random.key(3))
+    config = dataclasses.replace(TINY, env_id=env_id, env=sac.EnvConfig(max_steps_in_episode=steps))
+    evaluation = jax.jit(sac.make_evaluate(config, 8))(no_force_params(config), jax.random.key(3))
     assert set(evaluation) == {"episode_return", "upright"}
     np.testing.assert_array_equal(evaluation["upright"], np.full(8, expected_upright))
     if env_id == "CartPoleContinuous":  # 1 per step until the pole falls
@@ -271,7 +273,7 @@ def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, m
     """In process: main validates before anything is compiled."""
     monkeypatch.setattr(sac.jax, "jit", None)  # nothing may be compiled on the way to the error
     with pytest.raises(SystemExit) as exit_:
-        sac.main(sac.parse_config([*flags, "--no-compile-cache"]))  # leaves jax.config alone
+        sac.main(*sac.parse_args([*flags, "--no-compile-cache"]))  # leaves jax.config alone
     assert exit_.value.code == 2
     stderr = capsys.readouterr().err
     assert len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
@@ -289,7 +291,7 @@ def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, m
 )
 def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
     with pytest.raises(SystemExit) as exit_:
-        sac.parse_config(flags)
+        sac.parse_args(flags)
     assert exit_.value.code == 2
     assert name in capsys.readouterr().err
 
@@ -322,13 +324,17 @@ def test_help_lists_every_option_with_the_task_defaults():
         "--seed",
         "--num-seeds",
         "--num-envs",
-        "--learning-rate",
+        "--policy-lr",
+        "--q-lr",
+        "--no-autotune",
+        "--alpha",
         "--tau",
         "--updates-per-step",
         "--max-grad-norm",
         "--no-capture-gif",
         "--no-compile-cache",
         "--eval-only",
+        "--overwrite",
         "--env.force-mag",
         "--env.x-threshold",
     ]:
@@ -363,9 +369,10 @@ def finished_run(tmp_path_factory):
 
 def test_run_writes_every_output(finished_run):
     out, result = finished_run
-    assert result.stdout.startswith("compile cache: ")
-    assert "train state" in result.stdout and "compiled in" in result.stdout
-    assert "SPS" in result.stdout and "upright" in result.stdout
+    first_line = result.stdout.splitlines()[0]
+    assert "CartPoleSwingup, 2 seed(s)" in first_line and "compile cache: " in first_line
+    assert "MB per run" in result.stdout and "compiled in" in result.stdout
+    assert "SPS" in result.stdout and "upright" in result.stdout.splitlines()[-2]
     for name in [
         "config.json",
         "metrics.csv",
@@ -378,7 +385,14 @@ def test_run_writes_every_output(finished_run):
     assert not list(out.glob(".*tmp*"))  # no temporary files left behind
     assert json.loads((out / "config.json").read_text())["env_id"] == "CartPoleSwingup"
     rows = list(csv.DictReader((out / "metrics.csv").open()))
-    assert tuple(rows[0]) == sac.CSV_COLUMNS
+    assert tuple(rows[0]) == (
+        "seed",
+        "env_steps",
+        "updates",
+        "wall_seconds",
+        "sps",
+        *sac.METRIC_COLUMNS,
+    )
     assert len(rows) == 2 * sac.chunk_sizes(TINY)[1]
     assert {row["seed"] for row in rows} == {"5", "6"}
     summary = json.loads((out / "summary.json").read_text())
@@ -386,7 +400,7 @@ def test_run_writes_every_output(finished_run):
         "final_returns",
         "final_return_mean",
         "final_return_std",
-        "final_upright_mean",
+        "final_upright",
         "train_seconds",
         "compile_seconds",
         "env_steps_per_second",
@@ -396,7 +410,8 @@ def test_run_writes_every_output(finished_run):
         "device",
     ]:
         assert key in summary, key
-    assert len(summary["final_returns"]) == 2 and summary["updates_per_second"] > 0
+    assert len(summary["final_returns"]) == len(summary["final_upright"]) == 2
+    assert summary["updates_per_second"] > 0
 
 
 def test_same_seed_gives_identical_metrics(finished_run, tmp_path):
@@ -424,7 +439,7 @@ def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path, task_
     assert result.returncode == 0, result.stderr
     saved = json.loads((out / "summary.json").read_text())
     reproduced = json.loads((tmp_path / "summary.json").read_text())
-    for key in ["final_returns", "final_upright_mean"]:
+    for key in ["final_returns", "final_upright"]:
         assert reproduced[key] == saved[key], key
     assert (tmp_path / "policy.gif").stat().st_size > 0
     assert not (tmp_path / "model.msgpack").exists()
@@ -458,7 +473,7 @@ def test_eval_only_refuses_other_checkpoints_and_overridden_flags(
         (["--load-model", str(balance), "--env-id", "CartPoleSwingup"], "--env-id"),
     ]:
         with pytest.raises(SystemExit) as exit_:
-            sac.main(sac.parse_config(["--eval-only", *flags, "--no-compile-cache"]))
+            sac.main(*sac.parse_args(["--eval-only", *flags, "--no-compile-cache"]))
         stderr = capsys.readouterr().err
         assert exit_.value.code == 2 and expected in stderr, stderr
         assert len(stderr.strip().splitlines()) == 1 and "SECRET" not in stderr
@@ -481,11 +496,15 @@ def test_two_devices_shard_the_seeds(finished_run, tmp_path):
 
 def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path):
     no_outputs = ["--no-plot", "--no-capture-gif"]
-    result = run(*TINY_FLAGS, "--learning-rate", "1e30", "--output-dir", str(tmp_path), *no_outputs)
+    warm_up = ["--learning-starts", "32"]  # the first chunk has no update
+    flags = [*TINY_FLAGS, *warm_up, "--q-lr", "1e30", "--output-dir", str(tmp_path), *no_outputs]
+    result = run(*flags)
     assert result.returncode == 1
-    assert "non-finite" in result.stderr and "chunk" in result.stderr and "seed 1" in result.stderr
+    assert (
+        "non-finite" in result.stderr and "chunk 2" in result.stderr and "seed 1" in result.stderr
+    )
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
-    assert len(rows) >= 1  # what was written stays valid
+    assert len(rows) == 2 and rows[0]["updates"] == "0"  # the rows up to the chunk that stopped
 
 
 def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path):
@@ -502,11 +521,65 @@ def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path):
             break
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 130, stderr  # as a shell expects of an interrupted program
-    assert "stopping after this chunk" in stdout
+    assert "stopping after this chunk" in stderr and "Traceback" not in stderr
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert 1 <= len(rows) < sac.chunk_sizes(dataclasses.replace(TINY, total_timesteps=200000))[1]
     for name in ["summary.json", "curves.png", "policy.gif", "model.msgpack"]:
         assert (tmp_path / name).exists(), name
+
+
+def test_the_solved_line_is_labelled_and_the_gif_says_what_it_shows(finished_run):
+    from PIL import Image
+
+    out, _ = finished_run
+    rows = [
+        {name: float(value) for name, value in row.items()}
+        for row in csv.DictReader((out / "metrics.csv").open())
+    ]
+    plots = sac.Plots(TINY, sac.Options(), [{}])
+    plots.update(rows, None)
+    assert "solved (475)" in plots.axes[0].get_legend_handles_labels()[1]
+    gif = Image.open(out / "policy.gif")
+    assert gif.size == (sac.GIF_ENVS * 180, 16 + 120)  # the carts side by side, a caption above
+    caption = np.asarray(gif.convert("L"))[:16]
+    assert caption.min() < 100  # dark caption text above the white frames
+
+
+# ---- the update: no host transfer in a chunk; CleanRL's separate rates and fixed alpha ----
+
+
+def test_a_chunk_runs_without_any_host_transfer():
+    init, run_chunk, _ = sac.make_train(TINY)
+    chunk = jax.jit(run_chunk, donate_argnums=0)
+    state = jax.jit(init)(jax.random.key(0))
+    state, _ = chunk(state, jnp.int32(0))  # compiled outside the guard (compiling may transfer)
+    index = jax.device_put(jnp.int32(1))
+    with jax.transfer_guard("disallow"):
+        state, metrics = chunk(state, index)
+    assert int(metrics.updates) > 0
+
+
+def test_policy_and_q_rates_are_separate_and_no_autotune_fixes_alpha():
+    config = dataclasses.replace(TINY, q_lr=0.0, autotune=False, alpha=0.3)
+    init, _, train = sac.make_train(config)
+    start = jax.jit(init)(jax.random.key(1))
+    state, metrics = jax.jit(train)(jax.random.key(1))
+    chex.assert_trees_all_equal(state.learner.critic_params, start.learner.critic_params)
+    assert not np.allclose(
+        jax.flatten_util.ravel_pytree(state.learner.actor_params)[0],
+        jax.flatten_util.ravel_pytree(start.learner.actor_params)[0],
+    )
+    learning = np.isfinite(metrics.alpha)
+    assert learning.any()
+    np.testing.assert_allclose(metrics.alpha[learning], 0.3, rtol=1e-6)
+    # and the reverse: a zero policy rate leaves the actor, the critics still learn
+    config = dataclasses.replace(TINY, policy_lr=0.0)
+    state, _ = jax.jit(sac.make_train(config)[2])(jax.random.key(1))
+    chex.assert_trees_all_equal(state.learner.actor_params, start.learner.actor_params)
+    assert not np.allclose(
+        jax.flatten_util.ravel_pytree(state.learner.critic_params)[0],
+        jax.flatten_util.ravel_pytree(start.learner.critic_params)[0],
+    )
 
 
 # ---- learning ----
@@ -519,12 +592,14 @@ def test_default_config_learns_to_balance():
     at 500, each held 500 from 3.1M env steps on. A machine's XLA code changes every seed's path,
     so the rule allows one seed to end elsewhere: the median seed solves (>= 475) and every seed
     scores at least 5x a random policy."""
-    config = dataclasses.replace(sac.Config(), num_seeds=3, eval_episodes=20)
+    config = dataclasses.replace(sac.Config(), num_seeds=3)
     _, _, train = sac.make_train(config)
     keys = sac.seed_keys(config)
     state, metrics = jax.jit(jax.vmap(train))(keys.train)
     params = jax.vmap(sac.trained_params)(state)
-    evaluation = jax.jit(jax.vmap(sac.make_evaluate(config)))(params, keys.evaluate)
+    evaluation = jax.jit(jax.vmap(sac.make_evaluate(config, num_episodes=20)))(
+        params, keys.evaluate
+    )
     returns = np.asarray(evaluation["episode_return"]).mean(axis=1)
     assert np.median(returns) >= sac.SOLVED_RETURN and returns.min() >= 100, returns
     assert np.all(metrics.episode_return[:, 0] < 100)  # it started from a poor policy

@@ -48,7 +48,7 @@ def test_every_sweepable_field_is_traced_through_training_and_evaluation(script)
     """Each field --sweep accepts can be a traced value (one per run) in init, run_chunk and the
     evaluation: no shape and no Python branch depends on it."""
     module = importlib.import_module(script)
-    assert "learning_rate" in module.SWEEPABLE and "num_envs" not in module.SWEEPABLE
+    assert "gamma" in module.SWEEPABLE and "num_envs" not in module.SWEEPABLE
     for config in task_configs(module):
         keys = module.seed_keys(config)
         for name in module.SWEEPABLE:
@@ -61,7 +61,8 @@ def test_every_sweepable_field_is_traced_through_training_and_evaluation(script)
                 return module.make_train(module.with_values(config, values))[1](state, 0)
 
             def evaluate(params, key, values, config=config):
-                return module.make_evaluate(module.with_values(config, values))(params, key)
+                evaluate = module.make_evaluate(module.with_values(config, values), 2)
+                return evaluate(params, key)
 
             state = jax.eval_shape(jax.vmap(init), keys.train, values)
             jax.eval_shape(jax.vmap(run_chunk), state, values)
@@ -73,13 +74,13 @@ def test_every_sweepable_field_is_traced_through_training_and_evaluation(script)
 @pytest.mark.parametrize(
     "sweep, message",
     [
-        (["num-envs=4,8"], "num-envs cannot be swept; these can: learning-rate, "),
-        (["learning-rate=1e-3,abc"], "expected learning-rate=V1,V2,... (numbers)"),
-        (["learning-rate="], "expected learning-rate=V1,V2,... (numbers)"),
-        (["learning-rate"], "expected learning-rate=V1,V2,... (numbers)"),
-        (["learning-rate=1e-3", "learning-rate=1e-2"], "learning-rate is swept twice"),
+        (["num-envs=4,8"], "num-envs cannot be swept (twice); these can: "),
+        (["gamma=0.9,abc"], "expected gamma=V1,V2,... (numbers)"),
+        (["gamma="], "expected gamma=V1,V2,... (numbers)"),
+        (["gamma"], "expected gamma=V1,V2,... (numbers)"),
+        (["gamma=0.9", "gamma=0.99"], "gamma cannot be swept (twice)"),
         (["gamma=0.9,1.5"], "grid point 2 of 2 (gamma=1.5): --gamma must be in (0, 1], got 1.5"),
-        (["learning-rate=1e-3,1e-3"], "a value of learning-rate is listed twice"),
+        (["gamma=0.9,0.9"], "--sweep must be distinct values, got gamma=0.9,0.9"),
     ],
 )
 def test_bad_grids_exit_2_with_one_line_before_compiling(
@@ -88,21 +89,21 @@ def test_bad_grids_exit_2_with_one_line_before_compiling(
     module = importlib.import_module(script)
     monkeypatch.setattr(module.jax, "jit", None)  # nothing may be compiled on the way
     with pytest.raises(SystemExit) as exit_:
-        module.main(module.parse_config(["--sweep", *sweep]))
+        module.main(*module.parse_args(["--sweep", *sweep, "--no-compile-cache"]))
     assert exit_.value.code == 2
     stderr = capsys.readouterr().err.strip()
     assert len(stderr.splitlines()) == 1 and message in stderr, stderr
-    assert stderr.startswith(f"{script}.py: error: --sweep ")
+    assert stderr.startswith(f"{script}.py: error: --sweep")
 
 
 def test_a_run_count_that_does_not_divide_over_the_devices_is_refused():
     two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    flags = ["--sweep", "learning-rate=1e-3,2e-3,3e-3"]
+    flags = ["--sweep", "gamma=0.9,0.95,0.99"]
     result = run("sac_pendulum", *TINY_FLAGS["sac_pendulum"], *flags, env=two_devices)
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "sac_pendulum.py: error: --sweep: 3 grid points x 1 seed(s) = 3 runs, not a multiple "
-        "of the 2 devices"
+        "sac_pendulum.py: error: --num-seeds must be such that the 3 runs divide over the 2 "
+        "devices, got 1"
     )
 
 
@@ -120,22 +121,22 @@ def test_a_grid_point_is_the_single_run_and_the_report_holds_every_run(script, t
     swept = run(
         script,
         *flags,
-        *("--sweep", "learning-rate=1e-3,1e-2", "--num-seeds", "2"),
+        *("--sweep", "gamma=0.9,0.99", "--num-seeds", "2"),
         *("--output-dir", str(sweep_dir)),
     )
     assert swept.returncode == 0, swept.stderr
-    assert "2 grid points x 2 seed(s)" in swept.stdout and "| best learning-rate=" in swept.stdout
+    assert "2 grid points x 2 seed(s)" in swept.stdout and "| best gamma=" in swept.stdout
     single = run(
         script,
         *[flag if flag != "5" else "6" for flag in flags],  # seed 6: the sweep's second seed
-        *("--learning-rate", "1e-2", "--output-dir", str(single_dir), "--no-plot"),
+        *("--gamma", "0.99", "--output-dir", str(single_dir), "--no-plot"),
     )
     assert single.returncode == 0, single.stderr
 
-    # (learning rate 1e-2, seed 6) of the sweep is the single run, to float tolerance
+    # (gamma 0.99, seed 6) of the sweep is the single run, to float tolerance
     rows = rows_of(sweep_dir / "metrics.csv")
-    assert list(rows[0])[:3] == ["seed", "learning_rate", "env_steps"]
-    point = [row for row in rows if float(row["learning_rate"]) == 1e-2 and row["seed"] == "6"]
+    assert list(rows[0])[:3] == ["seed", "gamma", "env_steps"]
+    point = [row for row in rows if float(row["gamma"]) == 0.99 and row["seed"] == "6"]
     alone = rows_of(single_dir / "metrics.csv")
     assert len(point) == len(alone) > 1
     loss = next(name for name in ("critic_loss", "value_loss") if name in alone[0])
@@ -152,10 +153,7 @@ def test_a_grid_point_is_the_single_run_and_the_report_holds_every_run(script, t
 
     # the report: per grid point its values, each seed's final return, mean, std, solved share
     report = summary["sweep"]
-    assert [entry["values"] for entry in report] == [
-        {"learning_rate": 1e-3},
-        {"learning_rate": 1e-2},
-    ]
+    assert [entry["gamma"] for entry in report] == [0.9, 0.99]
     for index, entry in enumerate(report):
         returns = summary["final_returns"][2 * index : 2 * index + 2]
         assert entry["final_returns"] == returns
@@ -163,17 +161,17 @@ def test_a_grid_point_is_the_single_run_and_the_report_holds_every_run(script, t
         assert entry["std"] == pytest.approx(np.std(returns))
         assert 0 <= entry["solved_fraction"] <= 1
     table = rows_of(sweep_dir / "sweep.csv")
-    assert [float(row["learning_rate"]) for row in table] == [1e-3, 1e-2]
+    assert [float(row["gamma"]) for row in table] == [0.9, 0.99]
     assert float(table[1]["mean"]) == pytest.approx(report[1]["mean"], abs=1e-3)
     assert (sweep_dir / "sweep.png").stat().st_size > 0
 
     # the checkpoint holds every run with its grid point; --eval-only evaluates them all
     payload = flax.serialization.msgpack_restore((sweep_dir / "model.msgpack").read_bytes())
-    assert [(run["learning_rate"], run["seed"]) for run in payload["runs"]] == [
-        (1e-3, 5),
-        (1e-3, 6),
-        (1e-2, 5),
-        (1e-2, 6),
+    assert [(run["gamma"], run["seed"]) for run in payload["runs"]] == [
+        (0.9, 5),
+        (0.9, 6),
+        (0.99, 5),
+        (0.99, 6),
     ]
     evaluated = run(
         script,
@@ -182,30 +180,23 @@ def test_a_grid_point_is_the_single_run_and_the_report_holds_every_run(script, t
         *("--eval-episodes", flags[flags.index("--eval-episodes") + 1]),
     )
     assert evaluated.returncode == 0, evaluated.stderr
-    assert "evaluating 4 run(s)" in evaluated.stdout
+    assert "2 grid points x 2 seed(s)" in evaluated.stdout
     again = json.loads((eval_dir / "summary.json").read_text())
     assert again["final_returns"] == summary["final_returns"]
-    assert [entry["values"] for entry in again["sweep"]] == [entry["values"] for entry in report]
+    assert [entry["gamma"] for entry in again["sweep"]] == [0.9, 0.99]
 
 
 @pytest.mark.parametrize("names", [1, 2, 3])
-def test_the_sweep_figure_for_one_two_and_more_swept_fields(names, tmp_path):
-    """sweep.png: a value axis (log where the values span a decade), a heatmap, a ranking."""
+def test_the_sweep_chart_and_table_for_one_two_and_three_swept_fields(names, tmp_path):
+    """One chart for any grid: a column per grid point, labelled with its values."""
     module = importlib.import_module("sac_pendulum")
-    fields = ["learning_rate", "tau", "env.g"][:names]
+    fields = ["q_lr", "tau", "env.g"][:names]
     grid = [
         dict(zip(fields, values, strict=True))
         for values in np.stack(np.meshgrid(*[[0.001, 0.01, 0.1]] * names), -1).reshape(-1, names)
     ]
-    rng = np.random.default_rng(0)
-    returns = rng.uniform(-1000, -100, size=len(grid) * 2)
-    report = module.sweep_report(grid, returns)
-    rows = [
-        {"seed": seed, **point, "env_steps": step, "episode_return": float(rng.uniform())}
-        for point in grid
-        for seed in (1, 2)
-        for step in (100, 200)
-    ]
-    module.write_sweep(tmp_path, module.Config(), report, rows)
+    returns = np.random.default_rng(0).uniform(-1000, -100, size=len(grid) * 2)
+    report = module.write_sweep(tmp_path, module.Config(num_seeds=2), grid, returns)
+    assert [entry["final_returns"] for entry in report] == returns.reshape(-1, 2).tolist()
     assert len(rows_of(tmp_path / "sweep.csv")) == len(grid)
     assert (tmp_path / "sweep.png").stat().st_size > 0

@@ -1,6 +1,6 @@
-"""Watching a run while it trains, in every script: curves.png redrawn during training off the
-chunk loop, --live (live.gif without a display, a window with one), --track (TensorBoard event
-files per run with every metric, the config and the evaluation)."""
+"""Watching a run while it trains, in every script: curves.png redrawn between chunks while the
+next chunk runs, --live (the curves and the current policy in a window where a display exists),
+--track (TensorBoard event files per run with every metric, the config and the evaluation)."""
 
 import importlib
 import importlib.util
@@ -10,7 +10,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +54,7 @@ def test_track_without_tensorboardx_is_one_line_and_exit_2(script, capsys, monke
     )
     monkeypatch.setattr(module.jax, "jit", None)  # nothing may be compiled on the way
     with pytest.raises(SystemExit) as exit_:
-        module.main(module.parse_config(["--track"]))
+        module.main(*module.parse_args(["--track", "--no-compile-cache"]))
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip() == (
         f"{script}.py: error: --track needs tensorboardX: pip install tensorboardX"
@@ -70,7 +69,7 @@ def test_live_and_track_on_a_sweep(script, tmp_path):
             str(ROOT / f"{script}.py"),
             *TINY_FLAGS[script],
             *("--live", "--track", "--plot-every", "0.001", "--seed", "3"),
-            *("--sweep", "learning-rate=1e-3,1e-2", "--output-dir", str(tmp_path)),
+            *("--sweep", "gamma=0.9,0.99", "--output-dir", str(tmp_path)),
         ],
         capture_output=True,
         text=True,
@@ -78,12 +77,10 @@ def test_live_and_track_on_a_sweep(script, tmp_path):
         env={**os.environ, "MPLBACKEND": "agg"},
     )
     assert result.returncode == 0, result.stderr
-    assert f"{script}: --live: no display here; live.gif shows the policy" in result.stdout
-    assert (tmp_path / "live.gif").stat().st_size > 0
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert not list(tmp_path.glob(".*.tmp"))  # every file written atomically
     runs = sorted(path.name for path in (tmp_path / "tensorboard").iterdir())
-    assert runs == ["seed3_learning-rate=0.001", "seed3_learning-rate=0.01"]
+    assert runs == ["seed3_gamma=0.9", "seed3_gamma=0.99"]
     metrics = importlib.import_module(script).METRIC_COLUMNS
     summary = json.loads((tmp_path / "summary.json").read_text())
     for run, name in enumerate(runs):
@@ -103,60 +100,55 @@ def test_live_and_track_on_a_sweep(script, tmp_path):
         assert any(value.tag.startswith("config") for value in texts)
 
 
-def test_curves_are_redrawn_while_training_off_the_chunk_loop(tmp_path):
-    """after_chunk returns at once; the drawing runs on the painter thread, at most every
-    --plot-every seconds, and a chunk that ends while it is busy skips its redraw."""
+def test_curves_are_redrawn_between_chunks_at_most_every_plot_every(tmp_path, monkeypatch):
     sac = importlib.import_module("sac_pendulum")
-    config = sac.Config(plot_every=0.05)
-    watch = sac.Watch(config, [{}], tmp_path, sac.seed_keys(config))
-    rows = [
-        {"seed": 1, "env_steps": step, **{name: 1.0 for name in sac.METRIC_COLUMNS}}
-        for step in range(100, 1100, 100)
-    ]
-    watch.after_chunk(rows[:5], rows[4:5], None)
-    assert watch.drawing is None  # not due yet: --plot-every after the start
-    time.sleep(0.06)
-    watch.after_chunk(rows[:6], rows[5:6], None)
-    first = watch.drawing
-    assert first is not None
-    watch.after_chunk(rows[:7], rows[6:7], None)
-    assert watch.drawing is first  # busy (or not due again): no second drawing queued
-    watch.settle()
-    assert (tmp_path / "curves.png").stat().st_size > 0
-    assert not (tmp_path / ".curves.png.tmp").exists()
+    saved = []
+    monkeypatch.setattr(sac.Plots, "save", lambda plots, path: saved.append(path))
+    flags = [*TINY_FLAGS["sac_pendulum"], "--no-capture-gif", "--no-save-model"]
+    for plot_every, expected in [("0.001", range(6, 8)), ("0", range(1, 2))]:
+        saved.clear()
+        out = tmp_path / plot_every
+        sac.main(*sac.parse_args([*flags, "--plot-every", plot_every, "--output-dir", str(out)]))
+        assert (
+            len(saved) in expected
+        )  # a redraw after each of the 6 chunks (or none), then the last
+        assert set(saved) == {out / "curves.png"}
 
 
-def test_the_live_window_animates_and_training_goes_on_when_it_is_closed(capsys):
-    """The window's code under matplotlib's Agg backend (no display in CI): it draws the curves
-    and cycles the policy's frames while a chunk runs; closing it ends the window, not the run."""
+def test_the_live_window_animates_the_policy_and_training_goes_on_once_it_is_closed(monkeypatch):
+    """The window's code under matplotlib's Agg backend (no display in CI), as with one."""
     import matplotlib
 
     matplotlib.use("agg")
     import matplotlib.pyplot as plt
 
+    monkeypatch.setattr(plt, "get_backend", lambda: "tkagg")  # as where a display exists
+    monkeypatch.setattr(plt, "show", lambda block: None)
     sac = importlib.import_module("sac_pendulum")
-    window = sac.LiveWindow(plt, "test")
-    rows = [{"seed": 1, "env_steps": 100 * i, "episode_return": -100.0 * i} for i in range(1, 4)]
+    config = sac.Config()
+    plots = sac.Plots(config, sac.Options(live=True), [{}])
+    assert plots.window and plots.render is not None
+    rows = [
+        {"seed": 1, "env_steps": 100 * i, **{name: -100.0 * i for name in sac.METRIC_COLUMNS}}
+        for i in range(1, 4)
+    ]
     frames = np.zeros((5, 8, 8, 3), np.uint8)
     frames[:, :, :, 0] = np.arange(5)[:, None, None]
-    window.show(rows, frames)
-    assert window.tick(0.001) and window.tick(0.001)
-    assert window.image is not None and window.image.get_array()[0, 0, 0] == 2  # frame 2 shown
-    assert len(window.curves.lines) == 1
-    config = sac.Config()
-    watch = sac.Watch(config, [{}], Path("."), sac.seed_keys(config))
-    watch.window = window
-    plt.close(window.figure)
-    from concurrent.futures import ThreadPoolExecutor
-
-    future = ThreadPoolExecutor(1).submit(time.sleep, 0.05)
-    assert watch.wait(future) is None and watch.window is None
-    assert "live window closed; training goes on" in capsys.readouterr().out
+    plots.update(rows, frames)
+    shown = set()
+    for _ in range(6):
+        assert plots.animate()
+        shown.add(int(plots.image.get_array()[0, 0, 0]))
+    assert len(shown) > 1  # the frames cycle
+    assert len(plots.axes[0].lines) == 2  # the return curve and the solved bar
+    plt.close(plots.figure)
+    assert not plots.animate()  # closed: the loop waits on the chunk without it
+    sac.wait_for(sac.jnp.zeros(3), plots)
 
 
 def test_ctrl_c_from_a_terminal_stops_the_run_with_its_drawing_process(tmp_path):
-    """A terminal's Ctrl-C reaches the whole process group, the drawing process too: the run
-    still stops after the chunk, writes everything and exits with 130."""
+    """A terminal's Ctrl-C reaches the whole process group: the run stops after the chunk, writes
+    everything and exits with 130, with curves and the policy drawn every chunk."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -174,13 +166,11 @@ def test_ctrl_c_from_a_terminal_stops_the_run_with_its_drawing_process(tmp_path)
     progress = 0
     for line in process.stdout:
         progress += line.startswith("steps")
-        if progress == 20 and (tmp_path / "live.gif").exists():  # the drawing process is up
+        if progress == 5:
             os.killpg(process.pid, signal.SIGINT)
             break
-        if progress == 20:
-            progress -= 1  # wait for the first drawing
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 130, stderr
-    assert "stopping after this chunk" in stdout and "Traceback" not in stderr
-    for name in ["metrics.csv", "curves.png", "live.gif", "summary.json", "policy.gif"]:
+    assert "stopping after this chunk" in stderr and "Traceback" not in stderr
+    for name in ["metrics.csv", "curves.png", "summary.json", "policy.gif"]:
         assert (tmp_path / name).exists(), name
