@@ -1096,19 +1096,19 @@ def wait_for(tree: Any, plots: "Plots | None") -> None:
 
 
 def log_chunk(
-    config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], seconds: float
+    config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], now: float, chunk: float
 ) -> tuple[list[dict], str | None]:
     """The chunk's metrics rows, one per run, and what is not finite in them (or None): the chunk,
     the run and the metric."""
-    last = rows[-1] if rows else {"env_steps": 0, "updates": 0, "wall_seconds": 0.0}
-    sps = (metrics.env_steps[0] - last["env_steps"]) / (seconds - last["wall_seconds"])
+    last = rows[-1] if rows else {"env_steps": 0, "updates": 0}
+    sps = (metrics.env_steps[0] - last["env_steps"]) / chunk  # chunk: its seconds
     new_rows = [
         {
             "seed": config.seed + run % config.num_seeds,
             **grid[run // config.num_seeds],  # the swept values after the seed
             "env_steps": int(metrics.env_steps[run]),
             "updates": int(metrics.updates[run]),
-            "wall_seconds": round(seconds, 3),
+            "wall_seconds": round(now, 3),
             "sps": round(float(sps), 1),
             **{name: float(getattr(metrics, name)[run]) for name in METRIC_COLUMNS},
         }
@@ -1126,7 +1126,9 @@ def log_chunk(
     return new_rows, None
 
 
-def progress(config: Config, grid: list[Point], metrics: Metrics, rows: list[dict]) -> str:
+def progress(
+    config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], chunk: float
+) -> str:
     """The training return over runs (the best and worst grid point too) and the main losses."""
     returns = metrics.episode_return
     shown = "-" if np.isnan(returns).all() else f"{np.nanmean(returns):.1f}"
@@ -1137,12 +1139,8 @@ def progress(config: Config, grid: list[Point], metrics: Metrics, rows: list[dic
         shown += f" | best {describe(grid[means.argmax()])} {means.max():.1f}"
         shown += f", worst {describe(grid[means.argmin()])} {means.min():.1f}"
     losses = " ".join(f"{name} {np.mean(getattr(metrics, name)):.3g}" for name in PROGRESS_COLUMNS)
-    before = (
-        rows[-2 * returns.size] if len(rows) > returns.size else {"updates": 0, "wall_seconds": 0}
-    )
-    updates = (rows[-1]["updates"] - before["updates"]) / (
-        rows[-1]["wall_seconds"] - before["wall_seconds"]
-    )
+    before = rows[-2 * returns.size]["updates"] if len(rows) > returns.size else 0
+    updates = (rows[-1]["updates"] - before) / chunk  # chunk: its seconds
     return f"SPS {rows[-1]['sps']:,.0f} | updates/s {updates:,.0f} | return {shown} | {losses}"
 
 
@@ -1184,6 +1182,7 @@ def train_and_log(
     stop = stop_on_ctrl_c()
     rows: list[dict] = []
     start = time.perf_counter()
+    now = 0.0  # seconds since the first chunk was dispatched
     plotted = start
     state, pending = chunk_fn(state, jnp.int32(0), values)
     for chunk in range(num_chunks):
@@ -1195,15 +1194,17 @@ def train_and_log(
         live_params = first_run(trained_params(state)) if plots and plots.render else None
         if chunk + 1 < num_chunks and not stopped:  # runs while this chunk is logged and drawn
             state, pending = chunk_fn(state, jnp.int32(chunk + 1), values)
-        now = time.perf_counter() - start
-        new_rows, non_finite = log_chunk(config, grid, metrics, rows, now)
+        chunk_seconds = time.perf_counter() - start - now
+        now += chunk_seconds
+        new_rows, non_finite = log_chunk(config, grid, metrics, rows, now, chunk_seconds)
         rows += new_rows
         steps = rows[-1]["env_steps"]
         total = steps // (chunk + 1) * num_chunks  # every chunk has as many steps
         eta = now / (chunk + 1) * (num_chunks - chunk - 1)
         done = f"steps {steps:,}/{total:,} ({steps / total:.0%})"
         print(
-            f"{done} | {progress(config, grid, metrics, rows)} | {now:.1f} s, ETA {eta:.1f} s",
+            f"{done} | {progress(config, grid, metrics, rows, chunk_seconds)} | {now:.1f} s, "
+            f"ETA {eta:.1f} s",
             flush=True,
         )
         for writer, row in zip(writers, rows[-len(grid) * config.num_seeds :], strict=False):

@@ -280,7 +280,7 @@ import {script} as script
 config = script.parse_args(["--num-seeds", "4", "--sweep", "gamma=0.9,0.99"])[0]
 sharding = NamedSharding(Mesh(np.array(jax.devices()), ("runs",)), PartitionSpec("runs"))
 keys = jax.device_put(script.seed_keys(config, 2).train, sharding)
-values = jax.device_put({"gamma": np.float32([0.9] * 4 + [0.99] * 4)}, sharding)
+values = jax.device_put({{"gamma": np.float32([0.9] * 4 + [0.99] * 4)}}, sharding)
 def init(key, values):
     return script.make_train(script.with_values(config, values))[0](key)
 def run_chunk(state, chunk, values):
