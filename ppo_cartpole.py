@@ -852,8 +852,9 @@ class Plots:
             axis.set_axis_off()
         if frames is not None:
             self.frames = np.asarray(frames)
+            self.axes[-1].clear()  # the last chunk's image goes
             self.image = self.axes[-1].imshow(self.frames[0])
-            self.axes[-1].set_title("the first run's policy now")
+            self.axes[-1].set(title="the first run's policy now", xticks=[], yticks=[])
 
     def animate(self) -> bool:
         """The policy's next frame in the window, if it is open; False if there is none."""
@@ -1073,10 +1074,12 @@ def train_and_log(
     out: Path,
     keys: SeedKeys,
     values: dict[str, Array],
-) -> tuple[TrainState, list[dict], list, dict]:
+    evaluate: Callable,
+) -> tuple[TrainState, list[dict], list, dict, Callable]:
     """Every run (grid point x seed) in one program: the jitted, vmapped run_chunk once per chunk
     with the train state donated (updated in place, never copied). The next chunk is dispatched
-    before this one is logged and drawn, so that the device does not wait for the host."""
+    before this one is logged and drawn, so that the device does not wait for the host; the
+    plots and the `evaluate` program are made while the second chunk runs."""
 
     def init(key: PRNGKey, values: dict[str, Array]) -> TrainState:
         return make_train(with_values(config, values))[0](key)
@@ -1099,7 +1102,7 @@ def train_and_log(
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "config.json", dataclasses.asdict(config))
     writers = open_tensorboard(config, grid, out) if options.track and is_lead() else []
-    plots = Plots(config, options, grid) if is_lead() and (options.plot or options.live) else None
+    plots = None
     num_chunks = chunk_sizes(config)[1]
     stop = stop_on_ctrl_c()
     rows: list[dict] = []
@@ -1140,6 +1143,13 @@ def train_and_log(
             if is_lead():
                 print(f"{non_finite} (the files in {out} hold the chunks so far)", file=sys.stderr)
             sys.exit(1)
+        if chunk == 0:  # off the path to the first progress line
+            evaluate = evaluate.lower(trained_params(state), keys.evaluate, values).compile()
+            plots = (
+                Plots(config, options, grid)
+                if is_lead() and (options.plot or options.live)
+                else None
+            )
         plot_due = options.plot and 0 < options.plot_every <= time.perf_counter() - plotted
         if plots and (plots.window or plot_due):
             frames = plots.render(live_params, first_run(keys.render)) if live_params else None
@@ -1163,7 +1173,7 @@ def train_and_log(
         "updates_per_second": rows[-1]["updates"] / train_seconds,
         "stopped_early": stopped,
     }
-    return state, rows, writers, summary
+    return state, rows, writers, summary, evaluate
 
 
 def main(config: Config, options: Options) -> None:
@@ -1212,18 +1222,21 @@ def main(config: Config, options: Options) -> None:
         name: np.repeat([point[name] for point in grid], config.num_seeds) for name in grid[0]
     }
     values = jax.device_put(jax.tree.map(np.float32, by_run), sharding)
+
+    def evaluate_run(params: Params, key: PRNGKey, values: dict[str, Array]) -> dict[str, Array]:
+        return make_evaluate(with_values(config, values), options.eval_episodes)(params, key)
+
+    evaluate = jax.jit(jax.vmap(evaluate_run))
     summary: dict[str, Any] = {"stopped_early": False}
     writers = []
     if options.eval_only:
         params = jax.device_put(params, sharding)
     else:
-        state, rows, writers, summary = train_and_log(config, options, grid, out, keys, values)
+        state, rows, writers, summary, evaluate = train_and_log(
+            config, options, grid, out, keys, values, evaluate
+        )
         params = trained_params(state)
-
-    def evaluate_run(params: Params, key: PRNGKey, values: dict[str, Array]) -> dict[str, Array]:
-        return make_evaluate(with_values(config, values), options.eval_episodes)(params, key)
-
-    evaluation = fetch(jax.jit(jax.vmap(evaluate_run))(params, keys.evaluate, values))
+    evaluation = fetch(evaluate(params, keys.evaluate, values))
     per_run = {name: np.mean(values, axis=1) for name, values in evaluation.items()}
     saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():

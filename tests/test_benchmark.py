@@ -2,23 +2,22 @@
 on every one), and its plot where it draws one, next to the --output JSON in a temporary
 directory. Timings are never asserted, only that they were measured."""
 
+import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SCRIPT_FLAGS = ["--no-capture-gif", "--no-plot", "--no-save-model"]
 
 
 def benchmark(output: Path, *args: str) -> list[dict]:
     """Run `python benchmark.py --output output args...` in the repo and return the JSON's rows."""
-    subprocess.run(
-        [sys.executable, "benchmark.py", "--output", str(output), *args],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    command = [sys.executable, "benchmark.py", "--output", str(output), *args]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(output.read_text())["rows"]
 
 
@@ -102,16 +101,18 @@ def test_solve_reads_the_scripts_summary(tmp_path: Path) -> None:
     check_stamped(rows)
 
 
-def test_first_crossing_seconds(tmp_path: Path) -> None:
+def test_first_crossing_seconds() -> None:
     sys.path.insert(0, str(REPO))
     from benchmark import first_crossing_seconds
 
-    csv = tmp_path / "metrics.csv"
-    csv.write_text(
-        "seed,env_steps,wall_seconds,episode_return\n0,100,1.5,nan\n0,200,2.5,480.0\n0,300,3.5,490\n"
+    lines = (
+        "seed,env_steps,wall_seconds,episode_return\n0,100,1.5,nan\n0,200,2.5,480.0\n0,300,3.5,490"
     )
-    assert first_crossing_seconds(str(csv), 475.0) == 2.5
-    assert first_crossing_seconds(str(csv), 495.0) is None
+    metrics = list(
+        csv.DictReader(lines.splitlines())
+    )  # metrics.csv's rows, as run_script reads them
+    assert first_crossing_seconds(metrics, 475.0) == 2.5
+    assert first_crossing_seconds(metrics, 495.0) is None
 
 
 def test_launch_times_cold_and_warm_compile_caches(tmp_path: Path) -> None:
@@ -126,9 +127,41 @@ def test_launch_times_cold_and_warm_compile_caches(tmp_path: Path) -> None:
     )
     (row,) = rows
     assert row["benchmark"] == "launch" and row["library"] == "sac_pendulum" and row["runs"] == 1
-    assert row["cold_seconds"] > 0 and row["warm_seconds"] > 0  # measured, never asserted on
-    assert row["cold_compile_seconds"] > 0 and row["warm_compile_seconds"] > 0
+    for side in ("cold", "warm"):  # measured, never asserted on beyond their order
+        assert 0 < row[f"{side}_first_progress_seconds"] < row[f"{side}_seconds"]
+        assert row[f"{side}_compile_seconds"] > 0
     assert len(row["final_returns"]) == 2
+    check_stamped(rows)
+
+
+def test_versus_compares_two_trees_side_by_side(tmp_path: Path) -> None:
+    """The baseline is a copy of this tree: each side runs its own benchmark.py and scripts."""
+    baseline = tmp_path / "baseline"
+    baseline.mkdir()
+    for source in REPO.glob("*.py"):
+        shutil.copy(source, baseline)
+    output = tmp_path / "benchmarks.json"
+    rows = benchmark(
+        output,
+        "versus",
+        str(baseline),
+        "--scripts",
+        "ppo_cartpole",
+        "--rounds",
+        "1",
+        "--num-envs",
+        "8",
+        "--launch-flags=--total-timesteps 4096 --num-envs 8 --log-every 1024 --eval-episodes 1 "
+        + " ".join(SCRIPT_FLAGS),
+    )
+    train, launch = rows
+    assert (train["benchmark"], train["num_envs"]) == ("versus_train", 8)
+    assert train["steps_per_second"] > 0 and train["baseline_steps_per_second"] > 0
+    assert launch["benchmark"] == "versus_launch" and launch["library"] == "ppo_cartpole"
+    for side in ("cold", "warm"):
+        for prefix in ("baseline_", ""):
+            assert 0 < launch[f"{prefix}{side}_first_progress_seconds"]
+        assert launch[f"{side}_first_progress_ratio"] > 0 and launch[f"{side}_ratio"] > 0
     check_stamped(rows)
 
 

@@ -709,7 +709,7 @@ def test_benchmark_envs_writes_rows_and_keeps_other_rows(tmp_path, monkeypatch):
         "num_envs": 2,
         "device": "d",
     }
-    benchmark.merge_rows(str(output), [other], benchmark.ROW_KEY)
+    output.write_text(json.dumps({"description": "rows", "rows": [other]}))
     argv = [
         "benchmark.py",
         "--output",
