@@ -785,9 +785,10 @@ def sweep_grid(config: Config) -> list[Point]:
     for entry in config.sweep:
         flag, _, listed = entry.partition("=")
         name = flag.removeprefix("--").replace("-", "_")
-        if name not in SWEEPABLE or name in values:
+        if name not in SWEEPABLE:
             can = ", ".join(name.replace("_", "-") for name in SWEEPABLE)
-            raise UsageError(f"--sweep {entry}: {flag} cannot be swept (twice); these can: {can}")
+            raise UsageError(f"--sweep {entry}: {flag} cannot be swept; these can: {can}")
+        require(name not in values, "sweep", "one entry per field", entry)
         try:
             values[name] = [float(value) for value in listed.split(",")]
         except ValueError:
@@ -1152,12 +1153,10 @@ def train_and_log(
     out: Path,
     keys: SeedKeys,
     values: dict[str, Array],
-    evaluate: Callable,
-) -> tuple[TrainState, list[dict], list, dict, Callable]:
+) -> tuple[TrainState, list[dict], list, dict]:
     """Every run (grid point x seed) in one program: the jitted, vmapped run_chunk once per chunk
     with the train state donated (updated in place, never copied). The next chunk is dispatched
-    before this one is logged and drawn, so that the device does not wait for the host; the
-    plots and the `evaluate` program are made while the second chunk runs."""
+    before this one is logged and drawn, so that the device does not wait for the host."""
 
     def init(key: PRNGKey, values: dict[str, Array]) -> TrainState:
         return make_train(with_values(config, values))[0](key)
@@ -1221,14 +1220,9 @@ def train_and_log(
             if is_lead():
                 print(f"{non_finite} (the files in {out} hold the chunks so far)", file=sys.stderr)
             sys.exit(1)
-        if chunk == 0:  # off the path to the first progress line
-            evaluate = evaluate.lower(trained_params(state), keys.evaluate, values).compile()
-            plots = (
-                Plots(config, options, grid)
-                if is_lead() and (options.plot or options.live)
-                else None
-            )
         plot_due = options.plot and 0 < options.plot_every <= time.perf_counter() - plotted
+        if is_lead() and plots is None and (options.live or plot_due):
+            plots = Plots(config, options, grid)  # here: matplotlib's import takes a while
         if plots and (plots.window or plot_due):
             frames = plots.render(live_params, first_run(keys.render)) if live_params else None
             plots.update(rows, frames)
@@ -1239,7 +1233,8 @@ def train_and_log(
             break
     train_seconds = time.perf_counter() - start
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if plots and options.plot:
+    if is_lead() and options.plot:
+        plots = plots or Plots(config, options, grid)
         plots.update(rows, None)
         plots.save(out / "curves.png")
     summary = {
@@ -1251,7 +1246,7 @@ def train_and_log(
         "updates_per_second": rows[-1]["updates"] / train_seconds,
         "stopped_early": stopped,
     }
-    return state, rows, writers, summary, evaluate
+    return state, rows, writers, summary
 
 
 def main(config: Config, options: Options) -> None:
@@ -1304,17 +1299,14 @@ def main(config: Config, options: Options) -> None:
     def evaluate_run(params: Params, key: PRNGKey, values: dict[str, Array]) -> dict[str, Array]:
         return make_evaluate(with_values(config, values), options.eval_episodes)(params, key)
 
-    evaluate = jax.jit(jax.vmap(evaluate_run))
     summary: dict[str, Any] = {"stopped_early": False}
     writers = []
     if options.eval_only:
         params = jax.device_put(params, sharding)
     else:
-        state, rows, writers, summary, evaluate = train_and_log(
-            config, options, grid, out, keys, values, evaluate
-        )
+        state, rows, writers, summary = train_and_log(config, options, grid, out, keys, values)
         params = trained_params(state)
-    evaluation = fetch(evaluate(params, keys.evaluate, values))
+    evaluation = fetch(jax.jit(jax.vmap(evaluate_run))(params, keys.evaluate, values))
     per_run = {name: np.mean(values, axis=1) for name, values in evaluation.items()}
     saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():
@@ -1361,7 +1353,7 @@ class Arguments:
     """The command line: the config's flags, then the options (tyro reads both, flat)."""
 
     config: Annotated[Config, tyro.conf.arg(name="")] = Config()
-    run: Annotated[Options, tyro.conf.OmitArgPrefixes] = Options()  # --help: "run options"
+    run: Annotated[Options, tyro.conf.OmitArgPrefixes] = Options()
 
 
 def parse_args(args: Sequence[str] | None = None) -> tuple[Config, Options]:
@@ -1373,7 +1365,8 @@ if __name__ == "__main__":
     try:
         main(*parse_args())
     except KeyboardInterrupt:  # Ctrl-C before training (or a second one): no traceback
-        sys.exit(130)
+        sys.stdout.flush()
+        os._exit(130)  # at once: a normal exit while JAX's threads still compile can crash
     except BrokenPipeError:  # `--help | head` closed the pipe: end quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)

@@ -74,11 +74,11 @@ def test_every_sweepable_field_is_traced_through_training_and_evaluation(script)
 @pytest.mark.parametrize(
     "sweep, message",
     [
-        (["num-envs=4,8"], "num-envs cannot be swept (twice); these can: "),
+        (["num-envs=4,8"], "num-envs cannot be swept; these can: "),
         (["gamma=0.9,abc"], "expected gamma=V1,V2,... (numbers)"),
         (["gamma="], "expected gamma=V1,V2,... (numbers)"),
         (["gamma"], "expected gamma=V1,V2,... (numbers)"),
-        (["gamma=0.9", "gamma=0.99"], "gamma cannot be swept (twice)"),
+        (["gamma=0.9", "gamma=0.99"], "--sweep must be one entry per field, got gamma=0.99"),
         (["gamma=0.9,1.5"], "grid point 2 of 2 (gamma=1.5): --gamma must be in (0, 1], got 1.5"),
         (["gamma=0.9,0.9"], "--sweep must be distinct values, got gamma=0.9,0.9"),
     ],

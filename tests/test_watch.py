@@ -146,7 +146,7 @@ def test_the_live_window_animates_the_policy_and_training_goes_on_once_it_is_clo
     sac.wait_for(sac.jnp.zeros(3), plots)
 
 
-def test_ctrl_c_from_a_terminal_stops_the_run_with_its_drawing_process(tmp_path):
+def test_ctrl_c_from_a_terminal_stops_a_live_run_after_the_chunk(tmp_path):
     """A terminal's Ctrl-C reaches the whole process group: the run stops after the chunk, writes
     everything and exits with 130, with curves and the policy drawn every chunk."""
     process = subprocess.Popen(
