@@ -1271,7 +1271,9 @@ def main(config: Config, options: Options) -> None:
                 out.mkdir(parents=True)
                 out.rmdir()
         except OSError as error:
-            raise UsageError(f"--output-dir {out} cannot be a folder: {error.strerror}") from None
+            raise UsageError(
+                f"--output-dir {out}: cannot make this folder ({error.strerror})"
+            ) from None
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
