@@ -646,9 +646,9 @@ def make_render(config: Config):
 
 # ---- command line: nothing below changes what is learned ----
 
-import contextlib
 import csv
 import importlib.util
+import io
 import itertools
 import json
 import os
@@ -805,8 +805,7 @@ def sweep_grid(config: Config) -> list[Point]:
 
 
 def enable_compile_cache(options: Options) -> str:
-    """Turn on JAX's persistent compilation cache (a rerun loads its programs instead of compiling
-    them); returns where it is, or that it is off."""
+    """JAX's persistent compilation cache (a rerun loads its programs); returns where it is."""
     if not options.compile_cache:  # (JAX itself still reads $JAX_COMPILATION_CACHE_DIR if set)
         return "off (--no-compile-cache)"
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR")
@@ -820,13 +819,12 @@ def enable_compile_cache(options: Options) -> str:
 
 
 def start_distributed(options: Options) -> None:
-    """Join JAX's distributed runtime: jax.devices() then lists the devices of every process. A
-    worker first waits for process 0's port: jax would abort with a C++ trace, as it does for a
-    process 0 whose workers do not all come within --coordinator-timeout."""
+    """Join JAX's distributed runtime: jax.devices() then lists every process's devices. A worker
+    first waits for process 0's port, where jax would abort with a C++ trace."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPUs across processes
     host, _, port = (options.coordinator_address or "").rpartition(":")
     deadline = time.monotonic() + options.coordinator_timeout
-    while options.process_id and not probe(host, port):
+    while options.process_id and not listening(host, port):
         if time.monotonic() > deadline:
             where = f"{options.coordinator_address} within {options.coordinator_timeout:g} s"
             raise UsageError(f"--distributed: process 0 not reached at {where}")
@@ -845,10 +843,12 @@ def start_distributed(options: Options) -> None:
         ) from None
 
 
-def probe(host: str, port: str) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1):
-        return True
-    return False
+def listening(host: str, port: str) -> bool:
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def is_lead() -> bool:
@@ -865,31 +865,31 @@ def first_run(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.addressable_data(0)[0], tree)
 
 
-def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
-    """write(temporary path), then a rename: a reader never sees a half-written file."""
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """A temporary file, then a rename: a reader (or a kill) never meets a half-written file."""
     temporary = path.with_name(f".{path.name}.tmp")
-    write(temporary)
+    temporary.write_bytes(data.encode() if isinstance(data, str) else data)
     os.replace(temporary, path)
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    def write(temporary: Path) -> None:
-        with temporary.open("w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-
-    write_atomic(path, write)
+def csv_text(rows: list[dict]) -> str:
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return text.getvalue()
 
 
-def write_json(path: Path, values: dict) -> None:
-    write_atomic(path, lambda temporary: temporary.write_text(json.dumps(values, indent=2) + "\n"))
+def png(figure: Any) -> bytes:
+    data = io.BytesIO()
+    figure.savefig(data, format="png", dpi=80)
+    return data.getvalue()
 
 
 class Plots:
-    """curves.png: every metric against env steps per grid point (the mean over its seeds and the
-    min-max band) and, with --live, the first run's current policy, in a window where a display
-    exists. Drawn in the main thread while the next chunk runs on the device."""
+    """Every metric against env steps (per grid point: the mean over its seeds and the min-max
+    band) and, with --live, the first run's current policy, in a window where there is a display.
+    Drawn in the main thread while the next chunk runs on the device."""
 
     def __init__(self, config: Config, options: Options, grid: list[Point]) -> None:
         import matplotlib.pyplot as plt  # here: it is slow to import
@@ -904,9 +904,9 @@ class Plots:
         runs = f"{len(grid)} grid point(s) x {config.num_seeds} seed(s)"
         self.figure.suptitle(f"{SCRIPT} on {env_name(config)}, {runs}")
         self.axes = self.figure.subplots(rows, 3).flat
-        self.render = (
-            jax.jit(make_render(with_values(config, grid[0]))[0]) if options.live else None
-        )
+        for axis in self.axes[len(METRIC_COLUMNS) :]:
+            axis.set_axis_off()
+        self.render = jax.jit(make_render(with_values(config, grid[0]))[0])
         self.frames: np.ndarray | None = None
         if self.window:
             plt.show(block=False)
@@ -919,19 +919,14 @@ class Plots:
             values = values.reshape(len(steps), len(self.labels), -1)
             axis.clear()
             for point, label in enumerate(self.labels):
-                mean = values[:, point].mean(axis=1)
-                shown = ~np.ma.getmaskarray(mean)
-                axis.plot(steps[shown], mean[shown], label=label)
-                low = values[:, point].min(axis=1)[shown]
-                axis.fill_between(steps[shown], low, values[:, point].max(axis=1)[shown], alpha=0.3)
+                axis.plot(steps, values[:, point].mean(axis=1), label=label)
+                low = values[:, point].min(axis=1)
+                axis.fill_between(steps, low, values[:, point].max(axis=1), alpha=0.3)
             axis.set(title=name, xlabel="env steps")
         self.axes[0].axhline(SOLVED_RETURN, ls="--", c="gray", label=f"solved ({SOLVED_RETURN:g})")
         self.axes[0].legend(fontsize="small")
-        for axis in self.axes[len(METRIC_COLUMNS) :]:
-            axis.set_axis_off()
         if frames is not None:
             self.frames = np.asarray(frames)
-            self.axes[-1].clear()  # the last chunk's image goes
             self.image = self.axes[-1].imshow(self.frames[0])
             self.axes[-1].set(title="the first run's policy now", xticks=[], yticks=[])
 
@@ -944,7 +939,7 @@ class Plots:
         return True
 
     def save(self, path: Path) -> None:
-        write_atomic(path, lambda temporary: self.figure.savefig(temporary, format="png", dpi=80))
+        write_atomic(path, png(self.figure))
 
 
 def write_sweep(out: Path, config: Config, grid: list[Point], returns: np.ndarray) -> list[dict]:
@@ -952,6 +947,7 @@ def write_sweep(out: Path, config: Config, grid: list[Point], returns: np.ndarra
     mean); returns the report: per grid point its values, returns, mean, std and solved share."""
     from matplotlib.figure import Figure
 
+    returns = returns.reshape(len(grid), config.num_seeds)
     report = [
         {
             **point,
@@ -960,46 +956,37 @@ def write_sweep(out: Path, config: Config, grid: list[Point], returns: np.ndarra
             "solved_fraction": float((point_returns >= SOLVED_RETURN).mean()),
             "final_returns": point_returns.tolist(),
         }
-        for point, point_returns in zip(grid, returns.reshape(len(grid), -1), strict=True)
+        for point, point_returns in zip(grid, returns, strict=True)
     ]
-    write_csv(out / "sweep.csv", report)
+    write_atomic(out / "sweep.csv", csv_text(report))
     figure = Figure(figsize=(max(6, len(grid) + 2), 4.5), layout="constrained")
     axis = figure.subplots()
-    for index, point_returns in enumerate(returns.reshape(len(grid), -1)):
-        axis.scatter([index] * len(point_returns), point_returns, c="gray", s=12)
-    axis.plot([entry["mean"] for entry in report], "o", label="mean over seeds")
+    axis.plot(range(len(grid)), returns, ".", c="gray")  # a point per seed
+    axis.plot(returns.mean(axis=1), "o", label="mean over seeds")
     labels = [describe(point).replace(" ", "\n") for point in grid]
     axis.set_xticks(range(len(grid)), labels, rotation=90 if len(grid) > 8 else 0)
-    axis.set_xlim(-0.5, len(grid) - 0.5)
     axis.axhline(SOLVED_RETURN, ls="--", c="gray", label=f"solved ({SOLVED_RETURN:g})")
     axis.set(ylabel="final return", title=f"{SCRIPT}: {config.num_seeds} seed(s) per grid point")
     axis.legend(fontsize="small")
-    write_atomic(out / "sweep.png", lambda temporary: figure.savefig(temporary, format="png"))
+    write_atomic(out / "sweep.png", png(figure))
     return report
 
 
-def write_gif(path: Path, frames: np.ndarray, seconds_per_frame: float, caption: str) -> None:
+def gif(frames: np.ndarray, seconds_per_frame: float, caption: str) -> bytes:
     """Frames [time, height, width, 3] as a GIF playing in real time, the caption above them."""
     from PIL import Image, ImageDraw  # matplotlib's dependency
 
     frames = np.pad(frames, ((0, 0), (16, 0), (0, 0), (0, 0)), constant_values=255)
-    # One palette from frames across the whole GIF (a snake's colours may not be on the first).
-    palette = Image.fromarray(np.concatenate(frames[:: max(len(frames) // 8, 1)])).quantize(32)
     images = [Image.fromarray(frame) for frame in frames]
     for image in images:
         ImageDraw.Draw(image).text((4, 2), caption, fill=(0, 0, 0))
-    images = [image.quantize(palette=palette, dither=Image.Dither.NONE) for image in images]
+    data = io.BytesIO()
     milliseconds = round(1000 * seconds_per_frame)
-
-    def write(temporary: Path) -> None:
-        images[0].save(
-            temporary, "GIF", save_all=True, append_images=images[1:], loop=0, duration=milliseconds
-        )
-
-    write_atomic(path, write)
+    images[0].save(data, "GIF", save_all=True, append_images=images[1:], duration=milliseconds)
+    return data.getvalue()
 
 
-def save_checkpoint(path: Path, config: Config, grid: list[Point], params: Params) -> None:
+def checkpoint(config: Config, grid: list[Point], params: Params) -> bytes:
     """Every run's parameters (leading run axis) with the config and each run's seed and point."""
     seeds = range(config.seed, config.seed + config.num_seeds)
     payload = {
@@ -1009,8 +996,7 @@ def save_checkpoint(path: Path, config: Config, grid: list[Point], params: Param
         "runs": [{"seed": seed, **point} for point in grid for seed in seeds],
         "params": flax.serialization.to_state_dict(params),
     }
-    data = flax.serialization.msgpack_serialize(payload)
-    write_atomic(path, lambda temporary: temporary.write_bytes(data))
+    return flax.serialization.msgpack_serialize(payload)
 
 
 def flat(config: Config) -> dict[str, Any]:
@@ -1024,19 +1010,17 @@ def load_checkpoint(path: str, config: Config) -> tuple[Config, Params]:
     script's checkpoint, and for a flag given here that the checkpoint's config overrides."""
     try:
         payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
-        saved = json.loads(payload["config"]) if payload["script"] == SCRIPT else None
-        if saved is not None:
-            env = EnvConfig(**saved.pop("env"))
-            saved = Config(
-                **{key: tuple(v) if isinstance(v, list) else v for key, v in saved.items()}, env=env
-            )
+        saved = json.loads(payload["config"])
+        if payload["script"] != SCRIPT:
+            found = f"a {payload['script']} checkpoint for {payload['env']}"
+            raise UsageError(f"--load-model {path} is {found}, not {SCRIPT}'s")
+        saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
+        saved = Config(**saved | {"env": EnvConfig(**saved["env"])})
+    except UsageError:
+        raise
     except Exception as error:  # whatever is wrong with the file, it is the same user error
-        raise UsageError(
-            f"--load-model {path} is not a model.msgpack ({type(error).__name__})"
-        ) from None
-    if saved is None:
-        found = f"a {payload['script']} checkpoint for {payload['env']}"
-        raise UsageError(f"--load-model {path} is {found}, not {SCRIPT}'s")
+        message = f"--load-model {path} is not a model.msgpack ({type(error).__name__})"
+        raise UsageError(message) from None
     # A flag given here must be the default the command line parsed over or the checkpoint's.
     defaults = flat(Config())
     for name, default in defaults.items():
@@ -1098,40 +1082,36 @@ def wait_for(tree: Any, plots: "Plots | None") -> None:
 
 
 def log_chunk(
-    config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], now: float, chunk: float
+    config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], now: float
 ) -> tuple[list[dict], str | None]:
-    """The chunk's metrics rows, one per run, and what is not finite in them (or None): the chunk,
-    the run and the metric."""
-    last = rows[-1] if rows else {"env_steps": 0, "updates": 0}
-    sps = (metrics.env_steps[0] - last["env_steps"]) / chunk  # chunk: its seconds
+    """The chunk's metrics rows, one per run, and what is not finite in them (or None)."""
+    last = rows[-1] if rows else {"env_steps": 0, "updates": 0, "wall_seconds": 0.0}
     new_rows = [
         {
             "seed": config.seed + run % config.num_seeds,
             **grid[run // config.num_seeds],  # the swept values after the seed
             "env_steps": int(metrics.env_steps[run]),
             "updates": int(metrics.updates[run]),
-            "wall_seconds": round(now, 3),
-            "sps": round(float(sps), 1),
+            "wall_seconds": now,
+            "sps": (int(metrics.env_steps[run]) - last["env_steps"]) / (now - last["wall_seconds"]),
             **{name: float(getattr(metrics, name)[run]) for name in METRIC_COLUMNS},
         }
         for run in range(len(metrics.env_steps))
     ]
-    checked = LOSS_COLUMNS if new_rows[0]["updates"] > last["updates"] else ()  # else NaN
-    finite = {"parameter": metrics.params_finite}
-    finite |= {name: np.isfinite(getattr(metrics, name)) for name in checked}
-    for name, ok in finite.items():
+    updated = new_rows[0]["updates"] > last["updates"]  # else the losses are NaN: none to average
+    finite = {name: np.isfinite(getattr(metrics, name)) | ~updated for name in LOSS_COLUMNS}
+    for name, ok in ({"parameter": metrics.params_finite} | finite).items():
         if not ok.all():
-            row = new_rows[int(np.argmin(ok))]
-            run = describe({key: row[key] for key in grid[0]})
-            where = f"chunk {len(rows) // len(new_rows) + 1}, seed {row['seed']} {run}".strip()
-            return new_rows, f"{SCRIPT}: non-finite {name} in {where}; stopped"
+            run = int(np.argmin(ok))
+            where = f"chunk {len(rows) // len(new_rows) + 1}, seed {new_rows[run]['seed']}"
+            point = describe(grid[run // config.num_seeds])
+            return new_rows, f"{SCRIPT}: non-finite {name} in {where} {point}".strip() + "; stopped"
     return new_rows, None
 
 
-def progress(
-    config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], chunk: float
-) -> str:
-    """The training return over runs (the best and worst grid point too) and the main losses."""
+def progress(config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], total: int):
+    """The progress line: steps, rates, the return over runs (with a sweep's best and worst
+    grid point), the main losses, the time so far and to go."""
     returns = metrics.episode_return
     shown = "-" if np.isnan(returns).all() else f"{np.nanmean(returns):.1f}"
     if returns.size > 1 and not np.isnan(returns).all():
@@ -1141,9 +1121,16 @@ def progress(
         shown += f" | best {describe(grid[means.argmax()])} {means.max():.1f}"
         shown += f", worst {describe(grid[means.argmin()])} {means.min():.1f}"
     losses = " ".join(f"{name} {np.mean(getattr(metrics, name)):.3g}" for name in PROGRESS_COLUMNS)
-    before = rows[-2 * returns.size]["updates"] if len(rows) > returns.size else 0
-    updates = (rows[-1]["updates"] - before) / chunk  # chunk: its seconds
-    return f"SPS {rows[-1]['sps']:,.0f} | updates/s {updates:,.0f} | return {shown} | {losses}"
+    now = rows[-1]
+    start = {"updates": 0, "wall_seconds": 0.0}
+    before = rows[-returns.size - 1] if len(rows) > returns.size else start
+    updates = (now["updates"] - before["updates"]) / (now["wall_seconds"] - before["wall_seconds"])
+    done = now["env_steps"] / total
+    eta = now["wall_seconds"] * (1 / done - 1)
+    rates = f"SPS {now['sps']:,.0f} | updates/s {updates:,.0f}"
+    times = f"{now['wall_seconds']:.1f} s, ETA {eta:.1f} s"
+    steps = f"steps {now['env_steps']:,}/{total:,} ({done:.0%})"
+    return f"{steps} | {rates} | return {shown} | {losses} | {times}"
 
 
 def train_and_log(
@@ -1177,14 +1164,13 @@ def train_and_log(
     )
     if is_lead():
         out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "config.json", dataclasses.asdict(config))
+        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(config), indent=2))
     writers = open_tensorboard(config, grid, out) if options.track and is_lead() else []
     plots = None
     num_chunks = chunk_sizes(config)[1]
     stop = stop_on_ctrl_c()
     rows: list[dict] = []
     start = time.perf_counter()
-    now = 0.0  # seconds since the first chunk was dispatched
     plotted = start
     state, pending = chunk_fn(state, jnp.int32(0), values)
     for chunk in range(num_chunks):
@@ -1193,29 +1179,20 @@ def train_and_log(
         stopped = bool(stops.any())  # a Ctrl-C on any process stops every process
         if stopped and not stop[0]:
             print(f"{SCRIPT}: Ctrl-C on another process: stopping after this chunk", flush=True)
-        live_params = first_run(trained_params(state)) if plots and plots.render else None
+        live_params = first_run(trained_params(state)) if options.live and is_lead() else None
         if chunk + 1 < num_chunks and not stopped:  # runs while this chunk is logged and drawn
             state, pending = chunk_fn(state, jnp.int32(chunk + 1), values)
-        chunk_seconds = time.perf_counter() - start - now
-        now += chunk_seconds
-        new_rows, non_finite = log_chunk(config, grid, metrics, rows, now, chunk_seconds)
+        new_rows, non_finite = log_chunk(config, grid, metrics, rows, time.perf_counter() - start)
         rows += new_rows
-        steps = rows[-1]["env_steps"]
-        total = steps // (chunk + 1) * num_chunks  # every chunk has as many steps
-        eta = now / (chunk + 1) * (num_chunks - chunk - 1)
-        done = f"steps {steps:,}/{total:,} ({steps / total:.0%})"
-        print(
-            f"{done} | {progress(config, grid, metrics, rows, chunk_seconds)} | {now:.1f} s, "
-            f"ETA {eta:.1f} s",
-            flush=True,
-        )
-        for writer, row in zip(writers, rows[-len(grid) * config.num_seeds :], strict=False):
-            for name in ("updates", "wall_seconds", "sps", *METRIC_COLUMNS):
+        total = new_rows[0]["env_steps"] // (chunk + 1) * num_chunks  # chunks are alike
+        print(progress(config, grid, metrics, rows, total), flush=True)
+        for writer, row in zip(writers, new_rows, strict=False):
+            for name in ("sps", *METRIC_COLUMNS):
                 if np.isfinite(row[name]):
                     group = "losses" if name in LOSS_COLUMNS else "charts"
-                    writer.add_scalar(f"{group}/{name}", row[name], steps)
+                    writer.add_scalar(f"{group}/{name}", row[name], row["env_steps"])
         if is_lead():
-            write_csv(out / "metrics.csv", rows)
+            write_atomic(out / "metrics.csv", csv_text(rows))
         if non_finite:  # every process has every run's metrics: they all stop here
             if is_lead():
                 print(f"{non_finite} (the files in {out} hold the chunks so far)", file=sys.stderr)
@@ -1271,9 +1248,8 @@ def main(config: Config, options: Options) -> None:
                 out.mkdir(parents=True)
                 out.rmdir()
         except OSError as error:
-            raise UsageError(
-                f"--output-dir {out}: cannot make this folder ({error.strerror})"
-            ) from None
+            message = f"--output-dir {out}: cannot make this folder ({error.strerror})"
+            raise UsageError(message) from None
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -1287,8 +1263,8 @@ def main(config: Config, options: Options) -> None:
         f"{len(devices)} device(s) ({devices[0].device_kind}), {jax.process_count()} process(es)"
     )
     print(
-        f"{SCRIPT}: {env_name(config)}, {runs} x {config.num_envs} envs on {where}; compile cache: "
-        f"{compile_cache}",
+        f"{SCRIPT}: {env_name(config)}, {runs} x {config.num_envs} envs on {where}; "
+        f"compile cache: {compile_cache}",
         flush=True,
     )
     # Each process computes and holds only the keys and swept values of its own runs.
@@ -1315,7 +1291,7 @@ def main(config: Config, options: Options) -> None:
         sys.exit(130 if summary["stopped_early"] else 0)  # process 0 writes the outputs
     out.mkdir(parents=True, exist_ok=True)
     if saved_params is not None:
-        save_checkpoint(out / "model.msgpack", config, grid, saved_params)
+        write_atomic(out / "model.msgpack", checkpoint(config, grid, saved_params))
     for run, writer in enumerate(writers):
         for name, values in per_run.items():
             writer.add_scalar(f"eval/{name}", values[run], rows[-1]["env_steps"])
@@ -1333,12 +1309,12 @@ def main(config: Config, options: Options) -> None:
     }
     if config.sweep:
         summary["sweep"] = write_sweep(out, config, grid, returns)
-    write_json(out / "summary.json", summary)
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     if options.capture_gif:
         render, seconds_per_frame = make_render(with_values(config, grid[0]))
-        frames = jax.jit(render)(first_run(params), first_run(keys.render))
+        frames = np.asarray(jax.jit(render)(first_run(params), first_run(keys.render)))
         caption = f"{SCRIPT}, seed {config.seed} {describe(grid[0])}: return {returns[0]:.1f}"
-        write_gif(out / "policy.gif", np.asarray(frames), seconds_per_frame, caption)
+        write_atomic(out / "policy.gif", gif(frames, seconds_per_frame, caption))
     spread = f" ± {returns.std():.1f} (mean ± std over {num_runs} runs)" if num_runs > 1 else ""
     others = "".join(f", {name} {values.mean():.3g}" for name, values in per_run.items())
     solved = f"{(returns >= SOLVED_RETURN).sum()}/{num_runs} >= {SOLVED_RETURN:g}"
