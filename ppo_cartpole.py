@@ -607,6 +607,8 @@ class Options:
     overwrite: bool = False  # write into an --output-dir that holds files (replacing ours only)
     eval_episodes: int = EVAL_EPISODES  # deterministic-policy episodes per run in the evaluation
     save_model: bool = True  # write model.msgpack (every run's parameters and the config)
+    checkpoint_every: int = 10_000_000  # env steps between resumable checkpoints (0: only on stops)
+    resume: str | None = None  # continue the run in this folder (or checkpoint.msgpack) exactly
     capture_gif: bool = True  # write policy.gif (the first run's policy in a few envs)
     plot: bool = True  # write curves.png (the metrics against env steps)
     plot_every: float = 15.0  # seconds between redraws of curves.png while training (0: at the end)
@@ -658,6 +660,10 @@ def validate(config: Config) -> None:
 def check_options(options: Options) -> None:
     require(options.eval_episodes >= 1, "eval_episodes", ">= 1", options.eval_episodes)
     require(options.plot_every >= 0, "plot_every", ">= 0 seconds", options.plot_every)
+    require(options.checkpoint_every >= 0, "checkpoint_every", ">= 0", options.checkpoint_every)
+    resume_ok = options.resume is None or not (options.eval_only or options.output_dir)
+    alone = "without --eval-only and --output-dir (it goes on in its folder)"
+    require(resume_ok, "resume", alone, options.resume)
     if options.eval_only != (options.load_model is not None):
         raise UsageError("--eval-only and --load-model PATH go together (evaluate a checkpoint)")
     exists = options.load_model is None or Path(options.load_model).is_file()
@@ -908,8 +914,9 @@ def gif(frames: np.ndarray, seconds_per_frame: float, caption: str) -> bytes:
     return data.getvalue()
 
 
-def checkpoint(config: Config, grid: list[Point], params: Params) -> bytes:
-    """Every run's parameters (leading run axis) with the config and each run's seed and point."""
+def checkpoint(config: Config, grid: list[Point], params: Params, resume: dict | None) -> bytes:
+    """Every run's parameters (leading run axis) with the config and each run's seed and point;
+    a resumable one adds the train state, the chunks done and their metrics rows."""
     seeds = range(config.seed, config.seed + config.num_seeds)
     payload = {
         "script": SCRIPT,
@@ -918,7 +925,7 @@ def checkpoint(config: Config, grid: list[Point], params: Params) -> bytes:
         "runs": [{"seed": seed, **point} for point in grid for seed in seeds],
         "params": flax.serialization.to_state_dict(params),
     }
-    return flax.serialization.msgpack_serialize(payload)
+    return flax.serialization.msgpack_serialize(payload | (resume or {}))
 
 
 def flat(config: Config) -> dict[str, Any]:
@@ -927,30 +934,60 @@ def flat(config: Config) -> dict[str, Any]:
     return fields | {f"env.{name}": value for name, value in vars(config.env).items()}
 
 
-def load_checkpoint(path: str, config: Config) -> tuple[Config, Params]:
-    """(the checkpoint's config, every run's parameters); UsageError for a file that is not this
-    script's checkpoint, and for a flag given here that the checkpoint's config overrides."""
+def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict]:
+    """(the checkpoint's config, its contents); UsageError for a file that is not this script's
+    checkpoint, and for a flag given here that the checkpoint's config overrides."""
     try:
-        payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
+        payload = flax.serialization.msgpack_restore(path.read_bytes())
         saved = json.loads(payload["config"])
         if payload["script"] != SCRIPT:
             found = f"a {payload['script']} checkpoint for {payload['env']}"
-            raise UsageError(f"--load-model {path} is {found}, not {SCRIPT}'s")
+            raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
         saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
         saved = Config(**saved | {"env": EnvConfig(**saved["env"])})
     except UsageError:
         raise
     except Exception as error:  # whatever is wrong with the file, it is the same user error
-        message = f"--load-model {path} is not a model.msgpack ({type(error).__name__})"
+        message = f"{flag} {path} is not a checkpoint of {SCRIPT} ({type(error).__name__})"
         raise UsageError(message) from None
     # A flag given here must be the default the command line parsed over or the checkpoint's.
     defaults = flat(Config())
     for name, default in defaults.items():
         if flat(config)[name] not in (default, flat(saved)[name]):
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} is set by the checkpoint with --eval-only; leave it out")
+            raise UsageError(f"--{name.replace('_', '-')} is set by the checkpoint; leave it out")
     validate(saved)  # the checkpoint's values meet this script's ranges too
-    return saved, payload["params"]
+    return saved, payload
+
+
+def is_key(leaf: Any) -> bool:
+    return jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def key_words(tree: Any) -> Any:
+    """Typed PRNG keys as their raw uint32 words, which numpy and msgpack can hold."""
+    return jax.tree.map(lambda leaf: jax.random.key_data(leaf) if is_key(leaf) else leaf, tree)
+
+
+def saved_state(config: Config, grid: list[Point], payload: dict, path: Path) -> Any:
+    """The checkpoint's train state (keys as words); UsageError unless it has this layout."""
+    if "state" not in payload:
+        raise UsageError(f"--resume {path} holds parameters only: give the run's folder")
+    init = jax.vmap(make_train(config)[0])
+    layout = jax.eval_shape(lambda: key_words(init(seed_keys(config, len(grid)).train)))
+    try:
+        words = flax.serialization.from_state_dict(layout, payload["state"])
+    except (KeyError, ValueError, TypeError):
+        words = None
+    if words is None or jax.tree.map(np.shape, words) != jax.tree.map(np.shape, layout):
+        raise UsageError(f"--resume {path} holds another layout of the train state")
+    return words
+
+
+def typed_keys(like: Any, words: Any) -> Any:
+    """`words` with the leaves that are PRNG keys in `like` typed as keys again."""
+    return jax.tree.map(
+        lambda new, saved: jax.random.wrap_key_data(saved) if is_key(new) else saved, like, words
+    )
 
 
 class SeedKeys(NamedTuple):
@@ -968,21 +1005,24 @@ def seed_keys(config: Config, num_points: int = 1) -> SeedKeys:
     return SeedKeys(train=keys[:, 0], evaluate=keys[:, 1], render=keys[:, 2])
 
 
-def stop_on_ctrl_c() -> list[bool]:
-    """The first Ctrl-C asks the loop to stop after the chunk in progress; a second one aborts."""
-    stop = [False]
+def stop_on_signals() -> list[int]:
+    """The first Ctrl-C or SIGTERM (a scheduler's notice) asks the loop to stop after the chunk in
+    progress and to exit with 130 or 143, as a shell expects; a second one aborts."""
+    stop = [0]
 
     def request_stop(signum: int, frame: Any) -> None:
         if stop[0]:
             raise KeyboardInterrupt
-        stop[0] = True
-        print("\nCtrl-C: stopping after this chunk (press again to abort)", file=sys.stderr)
+        stop[0] = 128 + signum
+        name = signal.Signals(signum).name
+        print(f"\n{name}: stopping after this chunk (Ctrl-C again aborts)", file=sys.stderr)
 
     signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
     return stop
 
 
-def open_tensorboard(config: Config, grid: list[Point], out: Path) -> list:
+def open_tensorboard(config: Config, grid: list[Point], out: Path, rows: list[dict]) -> list:
     """A tensorboardX writer per run in tensorboard/<seed and grid point>, the config as text."""
     from tensorboardX import SummaryWriter  # optional: check_options made sure it is installed
 
@@ -991,7 +1031,8 @@ def open_tensorboard(config: Config, grid: list[Point], out: Path) -> list:
     for point in grid:
         for seed in range(config.seed, config.seed + config.num_seeds):
             name = "_".join([f"seed{seed}", *describe(point).split()])
-            writers.append(SummaryWriter(str(out / "tensorboard" / name)))
+            purge = rows[-1]["env_steps"] + 1 if rows else None  # hide a killed run's later steps
+            writers.append(SummaryWriter(str(out / "tensorboard" / name), purge_step=purge))
             writers[-1].add_text("config", text)
     return writers
 
@@ -1008,6 +1049,7 @@ def log_chunk(
 ) -> tuple[list[dict], str | None]:
     """The chunk's metrics rows, one per run, and what is not finite in them (or None)."""
     last = rows[-1] if rows else {"env_steps": 0, "updates": 0, "wall_seconds": 0.0}
+    seconds = now - last["wall_seconds"]  # the chunk's own (unrounded: a chunk may take < 1 ms)
     new_rows = [
         {
             "seed": config.seed + run % config.num_seeds,
@@ -1015,7 +1057,7 @@ def log_chunk(
             "env_steps": int(metrics.env_steps[run]),
             "updates": int(metrics.updates[run]),
             "wall_seconds": now,
-            "sps": (int(metrics.env_steps[run]) - last["env_steps"]) / (now - last["wall_seconds"]),
+            "sps": round((int(metrics.env_steps[run]) - last["env_steps"]) / seconds, 1),
             **{name: float(getattr(metrics, name)[run]) for name in METRIC_COLUMNS},
         }
         for run in range(len(metrics.env_steps))
@@ -1062,6 +1104,7 @@ def train_and_log(
     out: Path,
     keys: SeedKeys,
     values: dict[str, Array],
+    resumed: dict | None,
 ) -> tuple[TrainState, list[dict], list, dict]:
     """Every run (grid point x seed) in one program: the jitted, vmapped run_chunk once per chunk
     with the train state donated (updated in place, never copied). The next chunk is dispatched
@@ -1075,6 +1118,9 @@ def train_and_log(
 
     start = time.perf_counter()
     state = jax.jit(jax.vmap(init), out_shardings=keys.train.sharding)(keys.train, values)
+    if resumed:  # the saved state, each run's part on its device
+        words = jax.device_put(resumed["state"], keys.train.sharding)
+        state = jax.jit(typed_keys, out_shardings=keys.train.sharding)(state, words)
     chunk_fn = jax.jit(
         jax.vmap(run_chunk, (0, None, 0)), out_shardings=keys.train.sharding, donate_argnums=0
     )
@@ -1087,20 +1133,27 @@ def train_and_log(
     if is_lead():
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "config.json", json.dumps(dataclasses.asdict(config), indent=2))
-    writers = open_tensorboard(config, grid, out) if options.track and is_lead() else []
-    plots = None
+    rows = json.loads(resumed["rows"]) if resumed else []
+    first_chunk = resumed["chunk"] if resumed else 0
     num_chunks = chunk_sizes(config)[1]
-    stop = stop_on_ctrl_c()
-    rows: list[dict] = []
-    start = time.perf_counter()
-    plotted = start
-    state, pending = chunk_fn(state, jnp.int32(0), values)
-    for chunk in range(num_chunks):
+    if resumed:
+        print(f"{SCRIPT}: resumed at chunk {first_chunk} of {num_chunks} in {out}", flush=True)
+    writers = open_tensorboard(config, grid, out, rows) if options.track and is_lead() else []
+    plots = None
+    stop = stop_on_signals()
+    start = time.perf_counter() - (rows[-1]["wall_seconds"] if rows else 0.0)
+    plotted = time.perf_counter()
+    state, pending = chunk_fn(state, jnp.int32(first_chunk), values)
+    for chunk in range(first_chunk, num_chunks):
         wait_for(pending, plots)
         metrics, stops = fetch((pending, np.array([stop[0]])))
         stopped = bool(stops.any())  # a Ctrl-C on any process stops every process
         if stopped and not stop[0]:
             print(f"{SCRIPT}: Ctrl-C on another process: stopping after this chunk", flush=True)
+        every = max(options.checkpoint_every // (int(metrics.env_steps[0]) // (chunk + 1)), 1)
+        periodic = options.checkpoint_every > 0 and (chunk + 1) % every == 0  # in whole chunks
+        ends = chunk + 1 == num_chunks and options.save_model
+        saved = fetch(key_words(state)) if stopped or periodic or ends else None
         live_params = first_run(trained_params(state)) if options.live and is_lead() else None
         if chunk + 1 < num_chunks and not stopped:  # runs while this chunk is logged and drawn
             state, pending = chunk_fn(state, jnp.int32(chunk + 1), values)
@@ -1119,6 +1172,11 @@ def train_and_log(
             if is_lead():
                 print(f"{non_finite} (the files in {out} hold the chunks so far)", file=sys.stderr)
             sys.exit(1)
+        if saved is not None and is_lead():  # after the chunk's rows: a resume continues them
+            resume = {"chunk": chunk + 1, "rows": json.dumps(rows)}
+            resume["state"] = flax.serialization.to_state_dict(saved)
+            data = checkpoint(config, grid, trained_params(saved), resume)
+            write_atomic(out / "checkpoint.msgpack", data)
         plot_due = options.plot and 0 < options.plot_every <= time.perf_counter() - plotted
         if is_lead() and plots is None and (options.live or plot_due):
             plots = Plots(config, options, grid)  # here: matplotlib's import takes a while
@@ -1132,6 +1190,7 @@ def train_and_log(
             break
     train_seconds = time.perf_counter() - start
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if is_lead() and options.plot:
         plots = plots or Plots(config, options, grid)
         plots.update(rows, None)
@@ -1144,6 +1203,7 @@ def train_and_log(
         "env_steps_per_second": rows[-1]["env_steps"] / train_seconds,
         "updates_per_second": rows[-1]["updates"] / train_seconds,
         "stopped_early": stopped,
+        "exit_status": int(stops.max()),  # 130 after Ctrl-C, 143 after SIGTERM
     }
     return state, rows, writers, summary
 
@@ -1154,7 +1214,13 @@ def main(config: Config, options: Options) -> None:
         check_options(options)
         validate(config)
         if options.eval_only:
-            config, params = load_checkpoint(options.load_model, config)
+            config, payload = load_checkpoint(Path(options.load_model), config, "--load-model")
+            params = payload["params"]
+        resumed = None
+        if options.resume:
+            path = Path(options.resume)
+            path = path / "checkpoint.msgpack" if path.is_dir() else path
+            config, resumed = load_checkpoint(path, config, "--resume")
         if options.distributed:
             start_distributed(options)
         grid = sweep_grid(config)
@@ -1162,8 +1228,15 @@ def main(config: Config, options: Options) -> None:
         devices = jax.devices()  # of every process: the runs are sharded over all of them
         divides = f"such that the {num_runs} runs divide over the {len(devices)} devices"
         require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
+        if resumed:
+            resumed["state"] = saved_state(config, grid, resumed, path)
+        if resumed and resumed["chunk"] == chunk_sizes(config)[1]:
+            print(f"{SCRIPT}: {path} holds a finished run; nothing to resume")
+            sys.exit(0)
         out = Path(options.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
-        if is_lead() and out.is_dir() and any(out.iterdir()) and not options.overwrite:
+        out = path.parent if resumed else out
+        taken = out.is_dir() and any(out.iterdir()) and not (options.overwrite or resumed)
+        if is_lead() and taken:
             raise UsageError(f"--output-dir {out} already holds files; --overwrite writes there")
         try:  # can it be made? It is made once the programs are compiled (a Ctrl-C leaves none)
             if is_lead() and not out.is_dir():
@@ -1199,21 +1272,23 @@ def main(config: Config, options: Options) -> None:
     def evaluate_run(params: Params, key: PRNGKey, values: dict[str, Array]) -> dict[str, Array]:
         return make_evaluate(with_values(config, values), options.eval_episodes)(params, key)
 
-    summary: dict[str, Any] = {"stopped_early": False}
+    summary: dict[str, Any] = {"stopped_early": False, "exit_status": 0}
     writers = []
     if options.eval_only:
         params = jax.device_put(params, sharding)
     else:
-        state, rows, writers, summary = train_and_log(config, options, grid, out, keys, values)
+        state, rows, writers, summary = train_and_log(
+            config, options, grid, out, keys, values, resumed
+        )
         params = trained_params(state)
     evaluation = fetch(jax.jit(jax.vmap(evaluate_run))(params, keys.evaluate, values))
     per_run = {name: np.mean(values, axis=1) for name, values in evaluation.items()}
     saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():
-        sys.exit(130 if summary["stopped_early"] else 0)  # process 0 writes the outputs
+        sys.exit(summary["exit_status"])  # process 0 writes the outputs
     out.mkdir(parents=True, exist_ok=True)
     if saved_params is not None:
-        write_atomic(out / "model.msgpack", checkpoint(config, grid, saved_params))
+        write_atomic(out / "model.msgpack", checkpoint(config, grid, saved_params, None))
     for run, writer in enumerate(writers):
         for name, values in per_run.items():
             writer.add_scalar(f"eval/{name}", values[run], rows[-1]["env_steps"])
@@ -1244,8 +1319,8 @@ def main(config: Config, options: Options) -> None:
     print(f"evaluation, {episodes}: return {returns.mean():.1f}{spread}; {solved}{others}")
     wrote = sorted(path.name for path in out.iterdir() if path.stat().st_mtime >= started)
     print(f"wrote {', '.join(wrote)} in {out}", flush=True)
-    if summary["stopped_early"]:
-        sys.exit(130)  # interrupted, as a shell expects after Ctrl-C
+    if summary["exit_status"]:
+        sys.exit(summary["exit_status"])  # interrupted: 130 after Ctrl-C, 143 after SIGTERM
 
 
 @dataclasses.dataclass(frozen=True)

@@ -502,8 +502,8 @@ def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
     text.write_text("a secret line that must not be echoed\n" * 50)
     for path, expected in [
         (other, "sac_pendulum checkpoint for Pendulum-v1"),
-        (garbage, "not a model"),
-        (text, "not a model"),
+        (garbage, "is not a checkpoint of"),
+        (text, "is not a checkpoint of"),
     ]:
         result = run("--eval-only", "--load-model", str(path))
         assert result.returncode == 2 and expected in result.stderr, result.stderr

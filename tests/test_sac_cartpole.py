@@ -464,7 +464,7 @@ def test_eval_only_refuses_other_checkpoints_and_overridden_flags(
     monkeypatch.setattr(sac.jax, "jit", None)
     for flags, expected in [
         (["--load-model", str(other)], "sac_pendulum checkpoint for Pendulum-v1"),
-        (["--load-model", str(garbage)], "is not a model.msgpack"),
+        (["--load-model", str(garbage)], "is not a checkpoint of sac_cartpole"),
         (["--load-model", str(model), "--hidden-sizes", "64", "64"], "--hidden-sizes"),
         (
             ["--load-model", str(model), "--env.force-mag", "20"],

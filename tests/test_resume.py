@@ -1,0 +1,194 @@
+"""Resuming a stopped run: from a periodic checkpoint after a kill, or after SIGTERM or Ctrl-C, the
+run goes on bit for bit as if it had never stopped (metrics rows and final parameters), and
+whatever cannot be resumed is refused in one line with nothing in the folder changed."""
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import flax.serialization
+import jax
+import numpy as np
+import pytest
+import test_ppo_cartpole
+import test_sac_pendulum
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMED_COLUMNS = ("wall_seconds", "sps")  # differ from run to run
+QUIET = ["--no-plot", "--no-capture-gif"]
+# sac_pendulum's tiny run in 7 chunks of 64 env steps; a checkpoint every 3 chunks leaves the last
+# one at chunk 6 (384 transitions in the buffer), the 7th chunk's rows after it.
+SAC_FLAGS = [*test_sac_pendulum.TINY_FLAGS, "--total-timesteps", "448", *QUIET]
+
+
+def run(script: str, flags: list, check: int | None = 0) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / f"{script}.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert check is None or result.returncode == check, result.stderr
+    return result
+
+
+def untimed_rows(folder: Path) -> list[dict]:
+    with (folder / "metrics.csv").open() as file:
+        return [
+            {name: value for name, value in row.items() if name not in TIMED_COLUMNS}
+            for row in csv.DictReader(file)
+        ]
+
+
+def params(folder: Path) -> list[np.ndarray]:
+    payload = flax.serialization.msgpack_restore((folder / "model.msgpack").read_bytes())
+    return jax.tree.leaves(payload["params"])
+
+
+def assert_same_run(resumed: Path, never_stopped: Path) -> None:
+    """Bit for bit: every metrics value (the timing columns aside) and every trained parameter."""
+    assert untimed_rows(resumed) == untimed_rows(never_stopped)
+    for got, expected in zip(params(resumed), params(never_stopped), strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "buffer_size, runs",
+    [
+        ("1000", ["--num-seeds", "2"]),  # the buffer mid-fill at the checkpoint (384 of 1000)
+        ("256", ["--sweep", "gamma=0.9,0.99"]),  # the buffer wrapped around (384 into 256)
+    ],
+)
+def test_a_run_killed_after_a_periodic_checkpoint_resumes_bit_for_bit(tmp_path, buffer_size, runs):
+    flags = [*SAC_FLAGS, "--buffer-size", buffer_size, *runs]
+    run("sac_pendulum", [*flags, "--checkpoint-every", "0", "--output-dir", str(tmp_path / "a")])
+    # Every 3 chunks and no final save: what a kill during the 7th chunk leaves, and the 7th
+    # chunk's rows in metrics.csv, which the resume must replace, not repeat.
+    killed = tmp_path / "b"
+    periodic = ["--checkpoint-every", "192", "--no-save-model", "--output-dir", str(killed)]
+    run("sac_pendulum", [*flags, *periodic])
+    assert not (killed / "model.msgpack").exists()
+    (killed / "summary.json").unlink()
+    resumed = run("sac_pendulum", ["--resume", str(killed), *QUIET])
+    assert "resumed at chunk 6 of 7" in resumed.stdout
+    assert_same_run(killed, tmp_path / "a")
+    again = run("sac_pendulum", ["--resume", str(killed / "checkpoint.msgpack")])
+    assert "finished run" in again.stdout and "compiled" not in again.stdout
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path, signum, status):
+    """SIGTERM (a scheduler's notice) or Ctrl-C: the outputs and the checkpoint of the chunks
+    done, exit 143 or 130; --resume then finishes the run as if nothing had happened."""
+    flags = [*test_ppo_cartpole.TINY_FLAGS, "--total-timesteps", "32000", "--num-seeds", "2"]
+    flags += [*QUIET, "--checkpoint-every", "0"]
+    stopped = tmp_path / "stopped"
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "ppo_cartpole.py"), *flags, "--output-dir", str(stopped)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in process.stdout:  # the first progress line: training runs
+        if line.startswith("steps "):
+            break
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == status and "stopping after this chunk" in stderr, stderr
+    assert "Traceback" not in stderr
+    chunks = len(untimed_rows(stopped)) // 2
+    assert 0 < chunks < 250, "stopped too late to test a resume"
+    resumed = run("ppo_cartpole", ["--resume", str(stopped), *QUIET])
+    assert f"resumed at chunk {chunks} of 250" in resumed.stdout
+    run("ppo_cartpole", [*flags, "--output-dir", str(tmp_path / "never_stopped")])
+    assert_same_run(stopped, tmp_path / "never_stopped")
+
+
+def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
+    folder = tmp_path / "run"
+    run("sac_pendulum", [*SAC_FLAGS, "--checkpoint-every", "192", "--output-dir", str(folder)])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "checkpoint.msgpack").write_bytes((folder / "checkpoint.msgpack").read_bytes()[:5000])
+    (tmp_path / "model_only").mkdir()
+    shutil.copy(folder / "model.msgpack", tmp_path / "model_only" / "checkpoint.msgpack")
+    before = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")}
+    for flags, message in [
+        (["--resume", str(tmp_path / "missing")], "is not a checkpoint of sac_pendulum"),
+        (["--resume", str(other)], "is not a checkpoint of sac_pendulum"),  # truncated
+        (["--resume", str(tmp_path / "model_only")], "holds parameters only"),
+        (["--resume", str(folder), "--q-lr", "0.1"], "--q-lr is set by the checkpoint"),
+        (["--resume", str(folder), "--output-dir", str(other)], "--resume must be without"),
+    ]:
+        result = run("sac_pendulum", flags, check=2)
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, flags
+    result = run("ppo_cartpole", ["--resume", str(folder)], check=2)
+    assert "is a sac_pendulum checkpoint" in result.stderr
+    assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")} == before
+
+
+def test_tensorboard_continues_and_hides_the_killed_runs_later_steps(tmp_path):
+    """The resumed writer starts at the checkpoint's step with a purge_step: TensorBoard hides the
+    events of the first writer from that step on (the 7th chunk, after the last checkpoint)."""
+    from test_watch import read_events
+
+    folder = tmp_path / "run"
+    flags = [*SAC_FLAGS, "--track", "--checkpoint-every", "192", "--no-save-model"]
+    run("sac_pendulum", [*flags, "--output-dir", str(folder)])
+    (events,) = (folder / "tensorboard").iterdir()
+    first = {path.name for path in events.iterdir()}
+    time.sleep(1)  # a new events file per writer: its name holds the second it was made
+    run("sac_pendulum", ["--resume", str(folder), "--track", *QUIET])
+    (new,) = [path for path in events.iterdir() if path.name not in first]
+    purge, *later = read_events_file(read_events, new)
+    assert purge.session_log.status == purge.session_log.START and purge.step == 385
+    steps = [
+        event.step
+        for event in later
+        for value in event.summary.value
+        if value.HasField("simple_value")
+    ]
+    assert min(steps) == 448 and max(steps) == 448  # chunk 7 alone, then the evaluation
+
+
+def read_events_file(read_events, path: Path) -> list:
+    """The events of one file, after the file-version header event."""
+    scratch = path.parent.parent / "one_file"
+    scratch.mkdir()
+    shutil.copy(path, scratch)
+    return [event for event in read_events(scratch) if not event.file_version]
+
+
+def test_distributed_run_resumes_bit_for_bit(tmp_path):
+    """Process 0 writes every run's state; each process restores its own runs."""
+    import test_distributed
+
+    flags = [*SAC_FLAGS, "--num-seeds", "2", "--checkpoint-every", "192", "--no-save-model"]
+    first = test_distributed.start_pair("sac_pendulum", flags, tmp_path / "first", devices=1)
+    assert test_distributed.finish(first) == [0, 0]
+    folder = tmp_path / "first" / "p0"
+    never_stopped = untimed_rows(folder)
+    cluster = [
+        "--distributed",
+        "--coordinator-address",
+        f"127.0.0.1:{test_distributed.free_port()}",
+    ]
+    again = [
+        test_distributed.start(
+            "sac_pendulum",
+            ["--resume", str(folder), *QUIET, *cluster, "--num-processes", "2"]
+            + ["--process-id", str(process)],
+            tmp_path / f"again{process}",
+            1,
+        )
+        for process in (0, 1)
+    ]
+    assert test_distributed.finish(again) == [0, 0], test_distributed.output(tmp_path / "again0")
+    assert "resumed at chunk 6 of 7" in test_distributed.output(tmp_path / "again0")[0]
+    assert untimed_rows(folder) == never_stopped
+    assert os.path.exists(folder / "model.msgpack")
