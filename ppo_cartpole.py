@@ -607,8 +607,8 @@ class Options:
     overwrite: bool = False  # write into an --output-dir that holds files (replacing ours only)
     eval_episodes: int = EVAL_EPISODES  # deterministic-policy episodes per run in the evaluation
     save_model: bool = True  # write model.msgpack (every run's parameters and the config)
-    checkpoint_every: int = 10_000_000  # env steps between resumable checkpoints (0: only on stops)
-    resume: str | None = None  # continue the run in this folder (or checkpoint.msgpack) exactly
+    checkpoint_every: int = 10_000_000  # env steps between periodic checkpoint writes (0: off)
+    resume: str | None = None  # a run folder (or its checkpoint.msgpack): go on where it stopped
     capture_gif: bool = True  # write policy.gif (the first run's policy in a few envs)
     plot: bool = True  # write curves.png (the metrics against env steps)
     plot_every: float = 15.0  # seconds between redraws of curves.png while training (0: at the end)
@@ -948,7 +948,8 @@ def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict
     except UsageError:
         raise
     except Exception as error:  # whatever is wrong with the file, it is the same user error
-        message = f"{flag} {path} is not a checkpoint of {SCRIPT} ({type(error).__name__})"
+        reason = getattr(error, "strerror", None) or type(error).__name__
+        message = f"{flag} {path} is not a checkpoint of {SCRIPT} ({reason})"
         raise UsageError(message) from None
     # A flag given here must be the default the command line parsed over or the checkpoint's.
     defaults = flat(Config())
@@ -1007,14 +1008,14 @@ def seed_keys(config: Config, num_points: int = 1) -> SeedKeys:
 
 def stop_on_signals() -> list[int]:
     """The first Ctrl-C or SIGTERM (a scheduler's notice) asks the loop to stop after the chunk in
-    progress and to exit with 130 or 143, as a shell expects; a second one aborts."""
+    progress and to exit with 130 or 143, as a shell expects; a second Ctrl-C aborts."""
     stop = [0]
 
     def request_stop(signum: int, frame: Any) -> None:
-        if stop[0]:
+        if stop[0] and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        stop[0] = 128 + signum
-        name = signal.Signals(signum).name
+        stop[0] = stop[0] or 128 + signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"\n{name}: stopping after this chunk (Ctrl-C again aborts)", file=sys.stderr)
 
     signal.signal(signal.SIGINT, request_stop)
@@ -1203,7 +1204,7 @@ def train_and_log(
         "env_steps_per_second": rows[-1]["env_steps"] / train_seconds,
         "updates_per_second": rows[-1]["updates"] / train_seconds,
         "stopped_early": stopped,
-        "exit_status": int(stops.max()),  # 130 after Ctrl-C, 143 after SIGTERM
+        "exit_status": max(int(stops.max()), stop[0]),  # 130 after Ctrl-C, 143 after SIGTERM
     }
     return state, rows, writers, summary
 
@@ -1217,7 +1218,7 @@ def main(config: Config, options: Options) -> None:
             config, payload = load_checkpoint(Path(options.load_model), config, "--load-model")
             params = payload["params"]
         resumed = None
-        if options.resume:
+        if options.resume is not None:
             path = Path(options.resume)
             path = path / "checkpoint.msgpack" if path.is_dir() else path
             config, resumed = load_checkpoint(path, config, "--resume")

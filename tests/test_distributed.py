@@ -167,7 +167,7 @@ def test_ctrl_c_on_a_worker_stops_every_process_after_the_chunk(tmp_path):
     assert summary["stopped_early"] and 0 < summary["env_steps"] < 1_000_000
     assert (tmp_path / "p0" / "model.msgpack").exists()
     assert "Ctrl-C on another process: stopping after this chunk" in output(tmp_path / "p0")[0]
-    assert "SIGINT: stopping after this chunk" in output(tmp_path / "p1")[1]  # the worker's stderr
+    assert "Ctrl-C: stopping after this chunk" in output(tmp_path / "p1")[1]  # the worker's stderr
 
 
 def test_a_non_finite_loss_stops_every_process_and_process_0_says_so(tmp_path):

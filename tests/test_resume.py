@@ -83,8 +83,8 @@ def test_a_run_killed_after_a_periodic_checkpoint_resumes_bit_for_bit(tmp_path, 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path, signum, status):
-    """SIGTERM (a scheduler's notice) or Ctrl-C: the outputs and the checkpoint of the chunks
-    done, exit 143 or 130; --resume then finishes the run as if nothing had happened."""
+    """SIGTERM (a scheduler's notice, here twice) or Ctrl-C: the outputs and the checkpoint of
+    the chunks done, exit 143 or 130; --resume then finishes the run as if nothing had happened."""
     flags = [*test_ppo_cartpole.TINY_FLAGS, "--total-timesteps", "32000", "--num-seeds", "2"]
     flags += [*QUIET, "--checkpoint-every", "0"]
     stopped = tmp_path / "stopped"
@@ -98,6 +98,8 @@ def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path,
         if line.startswith("steps "):
             break
     process.send_signal(signum)
+    if signum == signal.SIGTERM:  # a repeated notice does not abort the stop under way
+        process.send_signal(signum)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == status and "stopping after this chunk" in stderr, stderr
     assert "Traceback" not in stderr
@@ -119,7 +121,8 @@ def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
     shutil.copy(folder / "model.msgpack", tmp_path / "model_only" / "checkpoint.msgpack")
     before = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")}
     for flags, message in [
-        (["--resume", str(tmp_path / "missing")], "is not a checkpoint of sac_pendulum"),
+        (["--resume", str(tmp_path / "missing")], "(No such file or directory)"),
+        (["--resume", ""], "is not a checkpoint of sac_pendulum"),  # not a fresh run
         (["--resume", str(other)], "is not a checkpoint of sac_pendulum"),  # truncated
         (["--resume", str(tmp_path / "model_only")], "holds parameters only"),
         (["--resume", str(folder), "--q-lr", "0.1"], "--q-lr is set by the checkpoint"),
