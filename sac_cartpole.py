@@ -1119,6 +1119,13 @@ def seed_keys(config: Config, num_points: int = 1) -> SeedKeys:
     return SeedKeys(train=keys[:, 0], evaluate=keys[:, 1], render=keys[:, 2])
 
 
+def abort(signum: int, frame: Any) -> None:
+    """End the run at once, exit 130, no traceback: a KeyboardInterrupt can be lost in JAX's
+    garbage-collection callback, and a normal exit while JAX's threads compile can crash."""
+    sys.stdout.flush()
+    os._exit(128 + signum)
+
+
 def stop_on_signals() -> list[int]:
     """The first Ctrl-C or SIGTERM (a scheduler's notice) asks the loop to stop after the chunk in
     progress and to exit with 130 or 143, as a shell expects; a second Ctrl-C aborts."""
@@ -1126,7 +1133,7 @@ def stop_on_signals() -> list[int]:
 
     def request_stop(signum: int, frame: Any) -> None:
         if stop[0] and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            abort(signum, frame)
         stop[0] = stop[0] or 128 + signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"\n{name}: stopping after this chunk (Ctrl-C again aborts)", file=sys.stderr)
@@ -1458,11 +1465,11 @@ def parse_args(args: Sequence[str] | None = None) -> tuple[Config, Options]:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, abort)  # a Ctrl-C before training (during compile, say)
     try:
         main(*parse_args())
-    except KeyboardInterrupt:  # Ctrl-C before training (or a second one): no traceback
-        sys.stdout.flush()
-        os._exit(130)  # at once: a normal exit while JAX's threads still compile can crash
+    except KeyboardInterrupt:  # a Ctrl-C after training
+        abort(signal.SIGINT, None)
     except BrokenPipeError:  # `--help | head` closed the pipe: end quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
