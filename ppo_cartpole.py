@@ -988,11 +988,17 @@ def saved_state(config: Config, grid: list[Point], payload: dict, path: Path) ->
     return words
 
 
-def typed_keys(like: Any, words: Any) -> Any:
-    """`words` with the leaves that are PRNG keys in `like` typed as keys again."""
-    return jax.tree.map(
-        lambda new, saved: jax.random.wrap_key_data(saved) if is_key(new) else saved, like, words
-    )
+def typed_keys(layout: Any) -> Callable[[Any], Any]:
+    """A function of saved words: the leaves that are PRNG keys in `layout` typed as keys again."""
+
+    def restore(words: Any) -> Any:
+        return jax.tree.map(
+            lambda key, saved: jax.random.wrap_key_data(saved) if is_key(key) else saved,
+            layout,
+            words,
+        )
+
+    return restore
 
 
 class SeedKeys(NamedTuple):
@@ -1129,10 +1135,12 @@ def train_and_log(
         return make_train(with_values(config, values))[1](state, chunk)
 
     start = time.perf_counter()
-    state = jax.jit(jax.vmap(init), out_shardings=keys.train.sharding)(keys.train, values)
-    if resumed:  # the saved state, each run's part on its device
+    if resumed:  # the saved state, each run's part on its device (no fresh state made first)
+        layout = jax.eval_shape(jax.vmap(init), keys.train, values)
         words = jax.device_put(resumed["state"], keys.train.sharding)
-        state = jax.jit(typed_keys, out_shardings=keys.train.sharding)(state, words)
+        state = jax.jit(typed_keys(layout), out_shardings=keys.train.sharding)(words)
+    else:
+        state = jax.jit(jax.vmap(init), out_shardings=keys.train.sharding)(keys.train, values)
     chunk_fn = jax.jit(
         jax.vmap(run_chunk, (0, None, 0)), out_shardings=keys.train.sharding, donate_argnums=0
     )
