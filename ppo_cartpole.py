@@ -11,6 +11,7 @@ device, and one compiled `lax.scan` runs a chunk of PPO iterations.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,23 +37,21 @@ Params = Any  # a flax parameter tree
 class EnvConfig:
     """CartPole-v1's constants (envs.CartPoleParams); the defaults are gymnasium's."""
 
-    gravity: float = 9.8
-    """gravitational acceleration (m/s^2)"""
-    masspole: float = 0.1
-    """mass of the pole (kg)"""
-    length: float = 0.5
-    """half the pole's length (m)"""
-    max_steps_in_episode: int = 500
-    """time limit in steps (a truncation: GAE still bootstraps there)"""
+    gravity: float = 9.8  # gravitational acceleration (m/s^2)
+    masscart: float = 1.0  # mass of the cart (kg)
+    masspole: float = 0.1  # mass of the pole (kg)
+    length: float = 0.5  # half the pole's length (m)
+    force_mag: float = 10.0  # the force that either action pushes the cart with (N)
+    max_steps_in_episode: int = 500  # time limit in steps (a truncation: GAE still bootstraps)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 1  # seed of the first run; seed i of --num-seeds uses seed + i
     num_seeds: int = 1  # independent runs trained at once in one vmapped program
-    sweep: tuple[str, ...] = ()
-    """NAME=V1,V2,... per swept field (learning-rate=1e-3,3e-3 ent-coef=0,0.01): every
-    combination of the values x --num-seeds runs in one vmapped program (docs/sweeps.md)"""
+    sweep: tuple[str, ...] | None = None
+    """NAME=V1,V2,... entries, e.g. gamma=0.95,0.99 ent-coef=0,0.01: every combination of the
+    values x --num-seeds runs in one vmapped program (docs/sweeps.md)"""
     num_envs: int = 32  # parallel envs per seed
     total_timesteps: int = 98_304
     """env steps per seed, all envs together (rounded down to whole chunks): 48 iterations"""
@@ -580,11 +579,11 @@ import itertools
 import json
 import os
 import signal
-import socket
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
-from typing import Annotated, NamedTuple, get_type_hints
+from typing import Annotated, get_type_hints
 
 import flax.serialization
 import numpy as np
@@ -592,11 +591,17 @@ import tyro
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-SOLVED_RETURN = 475.0  # CartPole-v1's reward_threshold in gymnasium's registry
 LOSS_COLUMNS = ("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac")  # checked for NaN
 METRIC_COLUMNS = ("episode_return", "episode_length", *LOSS_COLUMNS)  # fields of Metrics
 PROGRESS_COLUMNS = ("value_loss", "entropy", "approx_kl")  # on each progress line after the return
 EVAL_EPISODES = 10  # greedy-policy episodes per run in the final evaluation, by default
+
+
+def solved_return(config: Config) -> float:
+    return 475.0  # CartPole-v1's reward_threshold in gymnasium's registry
+
+
+# ---- options and validation ----
 
 
 @dataclasses.dataclass(frozen=True)
@@ -605,23 +610,22 @@ class Options:
 
     output_dir: str | None = None  # where the outputs go; None: runs/<script>__<seed>__<time>
     overwrite: bool = False  # write into an --output-dir that holds files (replacing ours only)
-    eval_episodes: int = EVAL_EPISODES  # deterministic-policy episodes per run in the evaluation
+    eval_episodes: int = EVAL_EPISODES  # evaluation episodes per run (the deterministic policy)
     save_model: bool = True  # write model.msgpack (every run's parameters and the config)
-    checkpoint_every: int = 10_000_000  # env steps between periodic checkpoint writes (0: off)
-    resume: str | None = None  # a run folder (or its checkpoint.msgpack): go on where it stopped
     capture_gif: bool = True  # write policy.gif (the first run's policy in a few envs)
     plot: bool = True  # write curves.png (the metrics against env steps)
     plot_every: float = 15.0  # seconds between redraws of curves.png while training (0: at the end)
-    live: bool = False  # show the curves and the first run's policy in a window, every chunk
-    track: bool = False  # write TensorBoard event files per run into tensorboard/ (tensorboardX)
-    load_model: str | None = None  # a model.msgpack to evaluate with --eval-only
-    eval_only: bool = False  # evaluate (and render) the --load-model checkpoint; no training
+    checkpoint_every: int = 10_000_000  # env steps between checkpoints (whole chunks; 0: on a stop)
+    resume: str | None = None  # a stopped run's folder: train on from its checkpoint, in it
+    eval_only: bool = False  # evaluate and render the --load-model model; no training
+    load_model: str | None = None  # a model.msgpack, or a run folder, for --eval-only
+    live: bool = False  # a window with the curves and the first run's policy, after every chunk
+    track: bool = False  # TensorBoard event files per run in tensorboard/ (needs tensorboardX)
     compile_cache: bool = True  # JAX's persistent cache: $JAX_COMPILATION_CACHE_DIR or ours
     distributed: bool = False  # one program over several processes or hosts (docs/distributed.md)
     coordinator_address: str | None = None  # HOST:PORT of process 0 (unless a cluster is detected)
     num_processes: int | None = None  # processes of a --distributed run
     process_id: int | None = None  # this process's index in [0, --num-processes)
-    coordinator_timeout: float = 120.0  # seconds the --distributed processes wait for each other
 
 
 class UsageError(Exception):
@@ -645,7 +649,8 @@ def validate(config: Config) -> None:
         require(getattr(config, name) >= 0, name, ">= 0", getattr(config, name))
     for name, value in vars(config.env).items():
         require(value > 0, f"env.{name}", "> 0", value)
-    require(0 <= config.seed < 2**31 - config.num_seeds, "seed", "in [0, 2**31 - N)", config.seed)
+    last_seed = 2**31 - config.num_seeds  # every run's seed fits in int32
+    require(0 <= config.seed <= last_seed, "seed", f"in [0, {last_seed}]", config.seed)
     require(0 < config.gamma <= 1, "gamma", "in (0, 1]", config.gamma)
     require(0 <= config.gae_lambda <= 1, "gae_lambda", "in [0, 1]", config.gae_lambda)
     batch_size = config.num_envs * config.num_steps
@@ -661,75 +666,16 @@ def check_options(options: Options) -> None:
     require(options.eval_episodes >= 1, "eval_episodes", ">= 1", options.eval_episodes)
     require(options.plot_every >= 0, "plot_every", ">= 0 seconds", options.plot_every)
     require(options.checkpoint_every >= 0, "checkpoint_every", ">= 0", options.checkpoint_every)
-    resume_ok = options.resume is None or not (options.eval_only or options.output_dir)
-    alone = "without --eval-only and --output-dir (it goes on in its folder)"
-    require(resume_ok, "resume", alone, options.resume)
-    if options.eval_only != (options.load_model is not None):
-        raise UsageError("--eval-only and --load-model PATH go together (evaluate a checkpoint)")
-    exists = options.load_model is None or Path(options.load_model).is_file()
-    require(exists, "load_model", "an existing file", options.load_model)
+    resume_ok = options.resume is None or bool(options.resume) and not options.output_dir
+    require(resume_ok, "resume", "a run folder (without --output-dir)", repr(options.resume))
+    alone = options.resume is None or not options.eval_only
+    if options.eval_only != (options.load_model is not None) or not alone:
+        raise UsageError("--eval-only and --load-model PATH go together, without --resume")
     cluster = (options.coordinator_address, options.num_processes, options.process_id)
     if not options.distributed and cluster != (None, None, None):
         raise UsageError("--coordinator-address, --num-processes, --process-id need --distributed")
-    count = 2**31 if options.num_processes is None else options.num_processes
-    require(count >= 1, "num_processes", ">= 1", options.num_processes)
-    process_ok = 0 <= (options.process_id or 0) < count
-    require(process_ok, "process_id", "in [0, --num-processes)", options.process_id)
-    timeout_ok = options.coordinator_timeout > 0
-    require(timeout_ok, "coordinator_timeout", "> 0 seconds", options.coordinator_timeout)
-    host, _, port = (options.coordinator_address or "host:1").rpartition(":")
-    address_ok = bool(host) and port.isdigit() and 0 < int(port) < 2**16
-    require(address_ok, "coordinator_address", "HOST:PORT", options.coordinator_address)
     if options.track and importlib.util.find_spec("tensorboardX") is None:
         raise UsageError("--track needs tensorboardX: pip install tensorboardX")
-
-
-# --sweep may vary the float fields (rates, coefficients, env physics): they set no shape and no
-# Python branch, so they can be traced values inside the one vmapped program.
-SWEEPABLE = tuple(
-    prefix + name
-    for prefix, fields in (("", Config), ("env.", EnvConfig))
-    for name, hint in get_type_hints(fields).items()
-    if hint in (float, float | None)
-)
-Point = dict[str, float]  # one grid point: a value per swept field
-
-
-def with_values(config: Config, point: dict[str, Any]) -> Config:
-    """`config` with the swept fields set (floats, or traced values inside the program)."""
-    top = {name: value for name, value in point.items() if not name.startswith("env.")}
-    env = {name[4:]: value for name, value in point.items() if name.startswith("env.")}
-    return dataclasses.replace(config, **top, env=dataclasses.replace(config.env, **env))
-
-
-def describe(point: Point) -> str:
-    return " ".join(f"{name.replace('_', '-')}={value:g}" for name, value in point.items())
-
-
-def sweep_grid(config: Config) -> list[Point]:
-    """Every combination of the --sweep values (one empty point without --sweep); UsageError for
-    a field that cannot be swept and for a value that is not a number or that validate rejects."""
-    values: dict[str, list[float]] = {}
-    for entry in config.sweep:
-        flag, _, listed = entry.partition("=")
-        name = flag.removeprefix("--").replace("-", "_")
-        if name not in SWEEPABLE:
-            can = ", ".join(name.replace("_", "-") for name in SWEEPABLE)
-            raise UsageError(f"--sweep {entry}: {flag} cannot be swept; these can: {can}")
-        require(name not in values, "sweep", "one entry per field", entry)
-        try:
-            values[name] = [float(value) for value in listed.split(",")]
-        except ValueError:
-            raise UsageError(f"--sweep {entry}: expected {flag}=V1,V2,... (numbers)") from None
-        require(len(set(values[name])) == len(values[name]), "sweep", "distinct values", entry)
-    grid = [dict(zip(values, point, strict=True)) for point in itertools.product(*values.values())]
-    for number, point in enumerate(grid, start=1):
-        try:
-            validate(with_values(config, point))
-        except UsageError as error:
-            where = f"grid point {number} of {len(grid)} ({describe(point)})"
-            raise UsageError(f"--sweep {where}: {error}") from None
-    return grid
 
 
 def enable_compile_cache(options: Options) -> str:
@@ -746,51 +692,70 @@ def enable_compile_cache(options: Options) -> str:
     return path
 
 
-def start_distributed(options: Options) -> None:
-    """Join JAX's distributed runtime: jax.devices() then lists every process's devices. A worker
-    first waits for process 0's port, where jax would abort with a C++ trace."""
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPUs across processes
-    host, _, port = (options.coordinator_address or "").rpartition(":")
-    deadline = time.monotonic() + options.coordinator_timeout
-    while options.process_id and not listening(host, port):
-        if time.monotonic() > deadline:
-            where = f"{options.coordinator_address} within {options.coordinator_timeout:g} s"
-            raise UsageError(f"--distributed: process 0 not reached at {where}")
-        time.sleep(0.2)
-    try:
-        jax.distributed.initialize(
-            options.coordinator_address,
-            options.num_processes,
-            options.process_id,
-            initialization_timeout=round(options.coordinator_timeout),
-        )
-    except (ValueError, TypeError) as error:
-        flags = "--coordinator-address HOST:PORT --num-processes N --process-id I"
-        raise UsageError(
-            f"--distributed: {error} (with no cluster detected, give {flags})"
-        ) from None
+# ---- sweep grid: the runs are grid points x seeds ----
+
+# --sweep may vary the float fields (rates, coefficients, env physics): they set no shape and no
+# Python branch, so they can be traced values inside the one vmapped program.
+SWEEPABLE = tuple(
+    prefix + name
+    for prefix, fields in (("", Config), ("env.", EnvConfig))
+    for name, hint in get_type_hints(fields).items()
+    if hint in (float, float | None)
+)
+Point = dict[str, Any]  # one grid point: a value per swept field
 
 
-def listening(host: str, port: str) -> bool:
-    try:
-        socket.create_connection((host, int(port)), timeout=1).close()
-    except OSError:
-        return False
-    return True
+def with_values(config: Config, point: Point) -> Config:
+    """`config` with the fields of `point` set (floats, or traced values inside the program)."""
+    top = {name: value for name, value in point.items() if not name.startswith("env.")}
+    env = {name[4:]: value for name, value in point.items() if name.startswith("env.")}
+    return dataclasses.replace(config, **top, env=dataclasses.replace(config.env, **env))
 
 
-def is_lead() -> bool:
-    return jax.process_index() == 0  # process 0 prints and writes for every process
+def describe(point: Point) -> str:
+    return " ".join(f"{name.replace('_', '-')}={value:g}" for name, value in point.items())
 
 
-def fetch(tree: Any) -> Any:
-    """Every run's values as numpy arrays, on every process (with --distributed, a collective)."""
-    return multihost_utils.process_allgather(tree, tiled=True)
+def sweep_grid(config: Config) -> list[Point]:
+    """Every combination of the --sweep values (one empty point without --sweep); UsageError for
+    a field that cannot be swept and for a value that is not a number or that validate rejects."""
+    require(config.sweep != (), "sweep", "followed by NAME=V1,V2,... entries", "none")
+    values: dict[str, list[float]] = {}
+    for entry in config.sweep or ():
+        name, _, listed = entry.partition("=")
+        name = name.removeprefix("--").replace("-", "_")
+        fields = ", ".join(name.replace("_", "-") for name in SWEEPABLE)
+        require(name in SWEEPABLE and name not in values, "sweep", f"one of {fields}", entry)
+        try:
+            values[name] = [float(value) for value in listed.split(",")]
+        except ValueError:
+            raise UsageError(f"--sweep must be NAME=V1,V2,... (numbers), got {entry}") from None
+        require(len(set(values[name])) == len(values[name]), "sweep", "distinct values", entry)
+    grid = [dict(zip(values, point, strict=True)) for point in itertools.product(*values.values())]
+    for number, point in enumerate(grid, start=1):
+        try:
+            validate(with_values(config, point))
+        except UsageError as error:
+            where = f"grid point {number} of {len(grid)} ({describe(point)})"
+            raise UsageError(f"--sweep {where}: {error}") from None
+    return grid
 
 
-def first_run(tree: Any) -> Any:
-    """Run 0 of every array, from the first device of process 0, without the other processes."""
-    return jax.tree.map(lambda x: x.addressable_data(0)[0], tree)
+def runs_text(config: Config, grid: list[Point]) -> str:
+    seeds = f"{config.num_seeds} seed{'s' if config.num_seeds > 1 else ''}"
+    return f"{len(grid)} grid points x {seeds}" if config.sweep else seeds
+
+
+def run_keys(config: Config, num_points: int) -> tuple[PRNGKey, PRNGKey, PRNGKey]:
+    """Per run, its training, evaluation and rendering keys, split once from the run's seed: run
+    r (grid point r // num_seeds) is the run of --seed (seed + r % num_seeds) alone. Raw uint32
+    keys (jax.random.PRNGKey), which a checkpoint holds as they are."""
+    seeds = config.seed + jnp.arange(num_points * config.num_seeds) % config.num_seeds
+    keys = jax.vmap(lambda seed: jax.random.split(jax.random.PRNGKey(seed), 3))(seeds)
+    return keys[:, 0], keys[:, 1], keys[:, 2]
+
+
+# ---- outputs ----
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -808,100 +773,25 @@ def csv_text(rows: list[dict]) -> str:
     return text.getvalue()
 
 
-def png(figure: Any) -> bytes:
-    data = io.BytesIO()
-    figure.savefig(data, format="png", dpi=80)
-    return data.getvalue()
+@functools.cache
+def jitted_render(config: Config) -> tuple[Callable, float]:
+    render, seconds_per_frame = make_render(config)
+    return jax.jit(render), seconds_per_frame
 
 
-class Plots:
-    """Every metric against env steps (per grid point: the mean over its seeds and the min-max
-    band) and, with --live, the first run's current policy, in a window where there is a display.
-    Drawn in the main thread while the next chunk runs on the device."""
-
-    def __init__(self, config: Config, options: Options, grid: list[Point]) -> None:
-        import matplotlib.pyplot as plt  # here: it is slow to import
-
-        self.plt = plt
-        self.labels = [describe(point) or None for point in grid]
-        self.window = options.live and plt.get_backend().lower() not in ("agg", "pdf", "svg")
-        rows = len(METRIC_COLUMNS) // 3 + 1  # and a panel for the policy
-        self.figure = (plt.figure if self.window else plt.Figure)(
-            figsize=(13, 3.2 * rows), layout="constrained"
-        )
-        runs = f"{len(grid)} grid point(s) x {config.num_seeds} seed(s)"
-        self.figure.suptitle(f"{SCRIPT} on {env_name(config)}, {runs}")
-        self.axes = self.figure.subplots(rows, 3).flat
-        for axis in self.axes[len(METRIC_COLUMNS) :]:
-            axis.set_axis_off()
-        self.render = jax.jit(make_render(with_values(config, grid[0]))[0])
-        self.frames: np.ndarray | None = None
-        if self.window:
-            plt.show(block=False)
-
-    def update(self, rows: list[dict], frames: Array | None) -> None:
-        """Redraw from every metrics row so far (grid point major, then seed, in each chunk)."""
-        steps = np.unique([row["env_steps"] for row in rows])
-        for axis, name in zip(self.axes, METRIC_COLUMNS, strict=False):
-            values = np.ma.masked_invalid([row[name] for row in rows])  # NaN: nothing to average
-            values = values.reshape(len(steps), len(self.labels), -1)
-            axis.clear()
-            for point, label in enumerate(self.labels):
-                axis.plot(steps, values[:, point].mean(axis=1), label=label)
-                low = values[:, point].min(axis=1)
-                axis.fill_between(steps, low, values[:, point].max(axis=1), alpha=0.3)
-            axis.set(title=name, xlabel="env steps")
-        self.axes[0].axhline(SOLVED_RETURN, ls="--", c="gray", label=f"solved ({SOLVED_RETURN:g})")
-        self.axes[0].legend(fontsize="small")
-        if frames is not None:
-            self.frames = np.asarray(frames)
-            self.image = self.axes[-1].imshow(self.frames[0])
-            self.axes[-1].set(title="the first run's policy now", xticks=[], yticks=[])
-
-    def animate(self) -> bool:
-        """The policy's next frame in the window, if it is open; False if there is none."""
-        if not self.window or self.frames is None or not self.plt.fignum_exists(self.figure.number):
-            return False
-        self.image.set_data(self.frames[int(time.monotonic() * 20) % len(self.frames)])
-        self.plt.pause(0.05)
-        return True
-
-    def save(self, path: Path) -> None:
-        write_atomic(path, png(self.figure))
-
-
-def write_sweep(out: Path, config: Config, grid: list[Point], returns: np.ndarray) -> list[dict]:
-    """sweep.csv and sweep.png (each grid point's final returns: its seeds as points and their
-    mean); returns the report: per grid point its values, returns, mean, std and solved share."""
-    from matplotlib.figure import Figure
-
-    returns = returns.reshape(len(grid), config.num_seeds)
-    report = [
-        {
-            **point,
-            "mean": float(point_returns.mean()),
-            "std": float(point_returns.std()),
-            "solved_fraction": float((point_returns >= SOLVED_RETURN).mean()),
-            "final_returns": point_returns.tolist(),
-        }
-        for point, point_returns in zip(grid, returns, strict=True)
-    ]
-    write_atomic(out / "sweep.csv", csv_text(report))
-    figure = Figure(figsize=(max(6, len(grid) + 2), 4.5), layout="constrained")
-    axis = figure.subplots()
-    axis.plot(range(len(grid)), returns, ".", c="gray")  # a point per seed
-    axis.plot(returns.mean(axis=1), "o", label="mean over seeds")
-    labels = [describe(point).replace(" ", "\n") for point in grid]
-    axis.set_xticks(range(len(grid)), labels, rotation=90 if len(grid) > 8 else 0)
-    axis.axhline(SOLVED_RETURN, ls="--", c="gray", label=f"solved ({SOLVED_RETURN:g})")
-    axis.set(ylabel="final return", title=f"{SCRIPT}: {config.num_seeds} seed(s) per grid point")
-    axis.legend(fontsize="small")
-    write_atomic(out / "sweep.png", png(figure))
-    return report
+def render_policy(config: Config, params: Params, key: PRNGKey) -> tuple[np.ndarray, float] | None:
+    """One episode of the policy as frames, and seconds per frame; None, and one line saying so,
+    where the env has no renderer (a copied script on another env, say)."""
+    try:
+        render, seconds_per_frame = jitted_render(config)
+        return np.asarray(render(params, key)), seconds_per_frame
+    except Exception as error:  # whatever it is, the run's model and summary are written first
+        print(f"{SCRIPT}: no policy.gif or policy panel: {env_name(config)} is not drawn ({error})")
+        return None
 
 
 def gif(frames: np.ndarray, seconds_per_frame: float, caption: str) -> bytes:
-    """Frames [time, height, width, 3] as a GIF playing in real time, the caption above them."""
+    """Frames [time, height, width, 3] as a looping GIF in real time, the caption above them."""
     from PIL import Image, ImageDraw  # matplotlib's dependency
 
     frames = np.pad(frames, ((0, 0), (16, 0), (0, 0), (0, 0)), constant_values=255)
@@ -913,14 +803,67 @@ def gif(frames: np.ndarray, seconds_per_frame: float, caption: str) -> bytes:
         ImageDraw.Draw(image).text((4, 2), caption, fill=(0, 0, 0))
     images = [image.quantize(palette=palette, dither=Image.Dither.NONE) for image in images]
     data = io.BytesIO()
-    milliseconds = round(1000 * seconds_per_frame)
-    images[0].save(data, "GIF", save_all=True, append_images=images[1:], duration=milliseconds)
+    duration = round(1000 * seconds_per_frame)
+    images[0].save(data, "GIF", save_all=True, append_images=images[1:], duration=duration, loop=0)
     return data.getvalue()
 
 
-def checkpoint(config: Config, grid: list[Point], params: Params, resume: dict | None) -> bytes:
+def new_figure(live: bool) -> Any:
+    """A figure for the curves, with a row for the policy if --live: a window where there is a
+    display (pyplot's), else a plain matplotlib Figure."""
+    import matplotlib.pyplot as plt  # here: it is slow to import
+
+    window = live and plt.get_backend().lower() not in ("agg", "pdf", "svg")
+    size = (13, 3 * ((len(METRIC_COLUMNS) + 2) // 3 + live))
+    figure = (plt.figure if window else plt.Figure)(figsize=size, layout="constrained")
+    if window:
+        plt.show(block=False)
+    return figure
+
+
+def draw_curves(figure: Any, config: Config, grid: list[Point], rows: list[dict], frames) -> None:
+    """Every metric against env steps from the rows so far (grid point major, then seed): per
+    grid point the mean over its seeds and their min-max band; below them, where given, the middle
+    frame of an episode of the first run's policy. Redrawn whole; drawn while a chunk runs."""
+    from matplotlib.ticker import EngFormatter
+
+    figure.clear()
+    figure.suptitle(f"{SCRIPT} on {env_name(config)}: {runs_text(config, grid)}")
+    panels = figure.add_gridspec((len(METRIC_COLUMNS) + 2) // 3 + (frames is not None), 3)
+    steps = np.unique([row["env_steps"] for row in rows])
+    for index, name in enumerate(METRIC_COLUMNS):
+        axis = figure.add_subplot(panels[index // 3, index % 3], title=name, xlabel="env steps")
+        values = np.ma.masked_invalid([row[name] for row in rows])  # NaN: no episode ended
+        by_point = values.reshape(len(steps), len(grid), -1).swapaxes(0, 1)
+        for point, runs in zip(grid, by_point, strict=True):
+            line = axis.plot(steps, runs.mean(axis=1), label=describe(point) or "mean")[0]
+            band = "min-max over seeds" if point is grid[0] and runs.shape[1] > 1 else None
+            low, high = runs.min(axis=1), runs.max(axis=1)
+            axis.fill_between(steps, low, high, color=line.get_color(), alpha=0.25, label=band)
+        axis.xaxis.set_major_formatter(EngFormatter(sep=""))  # 1.2M: long numbers collide
+    bar = solved_return(config)
+    figure.axes[0].axhline(bar, ls="--", c="gray", label=f"solved ({bar:g})")
+    legend = figure.axes[0].get_legend_handles_labels()  # one legend below, never over a curve
+    figure.legend(*legend, loc="outside lower center", ncols=min(len(legend[1]), 6))
+    if frames is not None:
+        policy = figure.add_subplot(panels[-1, :], xticks=[], yticks=[])
+        policy.imshow(frames[len(frames) // 2])
+        policy.set_title(f"the first run's policy after {rows[-1]['env_steps']:,} env steps")
+    figure.canvas.draw_idle()  # a --live window shows it at its next events
+
+
+def save_figure(figure: Any, path: Path) -> None:
+    data = io.BytesIO()
+    figure.savefig(data, format="png", dpi=80)
+    write_atomic(path, data.getvalue())
+
+
+# ---- checkpoints: model.msgpack (parameters) and checkpoint.msgpack (the whole train state) ----
+
+
+def checkpoint(config: Config, grid: list[Point], params: Params, resume: dict) -> bytes:
     """Every run's parameters (leading run axis) with the config and each run's seed and point;
-    a resumable one adds the train state, the chunks done and their metrics rows."""
+    a checkpoint to resume adds the train state (keys as words), the chunks done and their rows."""
     seeds = range(config.seed, config.seed + config.num_seeds)
     payload = {
         "script": SCRIPT,
@@ -929,7 +872,7 @@ def checkpoint(config: Config, grid: list[Point], params: Params, resume: dict |
         "runs": [{"seed": seed, **point} for point in grid for seed in seeds],
         "params": flax.serialization.to_state_dict(params),
     }
-    return flax.serialization.msgpack_serialize(payload | (resume or {}))
+    return flax.serialization.msgpack_serialize(payload | resume)
 
 
 def flat(config: Config) -> dict[str, Any]:
@@ -939,86 +882,71 @@ def flat(config: Config) -> dict[str, Any]:
 
 
 def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict]:
-    """(the checkpoint's config, its contents); UsageError for a file that is not this script's
-    checkpoint, and for a flag given here that the checkpoint's config overrides."""
+    """(the checkpoint's config, its contents). Config flags given here are refused, except with
+    --load-model the env's (a robustness check) where they keep the obs and action shapes."""
     try:
         payload = flax.serialization.msgpack_restore(path.read_bytes())
-        saved = json.loads(payload["config"])
-        if payload["script"] != SCRIPT:
-            found = f"a {payload['script']} checkpoint for {payload['env']}"
-            raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
-        saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
-        saved = Config(**saved | {"env": EnvConfig(**saved["env"])})
-    except UsageError:
-        raise
+        if payload["script"] == SCRIPT:
+            saved = json.loads(payload["config"])
+            saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
+            saved = Config(**saved | {"env": EnvConfig(**saved["env"])})
     except Exception as error:  # whatever is wrong with the file, it is the same user error
-        reason = getattr(error, "strerror", None) or type(error).__name__
-        message = f"{flag} {path} is not a checkpoint of {SCRIPT} ({reason})"
-        raise UsageError(message) from None
-    # A flag given here must be the default the command line parsed over or the checkpoint's.
-    defaults = flat(Config())
-    for name, default in defaults.items():
-        if flat(config)[name] not in (default, flat(saved)[name]):
-            raise UsageError(f"--{name.replace('_', '-')} is set by the checkpoint; leave it out")
+        reason = getattr(error, "strerror", None) or "not a checkpoint or model file"
+        raise UsageError(f"{flag} {path}: {reason}") from None
+    if payload["script"] != SCRIPT:
+        found = f"a {payload['script']} checkpoint for {payload['env']}"
+        raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
+    given = {name: value for name, value in flat(config).items() if value != flat(Config())[name]}
+    physics = {name: value for name, value in given.items() if name.startswith("env.")}
+    physics = physics if flag == "--load-model" else {}
+    for name, value in given.items():
+        if name not in physics and value != flat(saved)[name]:
+            raise UsageError(f"--{name.replace('_', '-')} is the checkpoint's; leave it out")
+    env, env_params = make_env(saved)
+    spaces = (env.observation_space(env_params).shape, env.action_space(env_params).shape)
+    saved = with_values(saved, physics)
+    env, env_params = make_env(saved)
+    if spaces != (env.observation_space(env_params).shape, env.action_space(env_params).shape):
+        raise UsageError("--env.* flags with --load-model must keep the obs and action shapes")
     validate(saved)  # the checkpoint's values meet this script's ranges too
     return saved, payload
 
 
-def is_key(leaf: Any) -> bool:
-    return jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+# ---- several processes (--distributed) ----
 
 
-def key_words(tree: Any) -> Any:
-    """Typed PRNG keys as their raw uint32 words, which numpy and msgpack can hold."""
-    return jax.tree.map(lambda leaf: jax.random.key_data(leaf) if is_key(leaf) else leaf, tree)
-
-
-def saved_state(config: Config, grid: list[Point], payload: dict, path: Path) -> Any:
-    """The checkpoint's train state (keys as words); UsageError unless it has this layout."""
-    if "state" not in payload:
-        raise UsageError(f"--resume {path} holds parameters only: give the run's folder")
-    init = jax.vmap(make_train(config)[0])
-    layout = jax.eval_shape(lambda: key_words(init(seed_keys(config, len(grid)).train)))
+def start_distributed(options: Options) -> None:
+    """Join JAX's distributed runtime: jax.devices() then lists every process's devices."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPUs across processes
     try:
-        words = flax.serialization.from_state_dict(layout, payload["state"])
-    except (KeyError, ValueError, TypeError):
-        words = None
-    if words is None or jax.tree.map(np.shape, words) != jax.tree.map(np.shape, layout):
-        raise UsageError(f"--resume {path} holds another layout of the train state")
-    return words
-
-
-def typed_keys(layout: Any) -> Callable[[Any], Any]:
-    """A function of saved words: the leaves that are PRNG keys in `layout` typed as keys again."""
-
-    def restore(words: Any) -> Any:
-        return jax.tree.map(
-            lambda key, saved: jax.random.wrap_key_data(saved) if is_key(key) else saved,
-            layout,
-            words,
+        jax.distributed.initialize(
+            options.coordinator_address, options.num_processes, options.process_id
         )
-
-    return restore
-
-
-class SeedKeys(NamedTuple):
-    """Per run (grid points x seeds), three independent keys split once from the run's seed."""
-
-    train: PRNGKey
-    evaluate: PRNGKey
-    render: PRNGKey
+    except (ValueError, TypeError) as error:
+        flags = "--coordinator-address HOST:PORT --num-processes N --process-id I"
+        raise UsageError(f"--distributed: {error} (without a cluster, give {flags})") from None
 
 
-def seed_keys(config: Config, num_points: int = 1) -> SeedKeys:
-    """Run r (grid point r // num_seeds) is the run of --seed (seed + r % num_seeds) alone."""
-    seeds = config.seed + jnp.arange(num_points * config.num_seeds) % config.num_seeds
-    keys = jax.vmap(lambda seed: jax.random.split(jax.random.key(seed), 3))(seeds)
-    return SeedKeys(train=keys[:, 0], evaluate=keys[:, 1], render=keys[:, 2])
+def is_lead() -> bool:
+    return jax.process_index() == 0  # process 0 prints and writes for every process
+
+
+def fetch(tree: Any) -> Any:
+    """Every run's values as numpy arrays, on every process (with --distributed, a collective)."""
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def first_run(tree: Any) -> Any:
+    """Run 0 of every array, from the first device of process 0, without the other processes."""
+    return jax.tree.map(lambda x: x.addressable_data(0)[0], tree)
+
+
+# ---- signals ----
 
 
 def abort(signum: int, frame: Any) -> None:
-    """End the run at once, exit 130, no traceback: a KeyboardInterrupt can be lost in JAX's
-    garbage-collection callback, and a normal exit while JAX's threads compile can crash."""
+    """End the run at once, no traceback: a KeyboardInterrupt can be lost in JAX's garbage-
+    collection callback, and a normal exit while JAX's threads compile can crash."""
     sys.stdout.flush()
     os._exit(128 + signum)
 
@@ -1040,192 +968,157 @@ def stop_on_signals() -> list[int]:
     return stop
 
 
-def open_tensorboard(config: Config, grid: list[Point], out: Path, rows: list[dict]) -> list:
-    """A tensorboardX writer per run in tensorboard/<seed and grid point>, the config as text."""
-    from tensorboardX import SummaryWriter  # optional: check_options made sure it is installed
-
-    text = f"```\n{json.dumps(dataclasses.asdict(config), indent=2)}\n```"
-    writers = []
-    for point in grid:
-        for seed in range(config.seed, config.seed + config.num_seeds):
-            name = "_".join([f"seed{seed}", *describe(point).split()])
-            purge = rows[-1]["env_steps"] + 1 if rows else None  # hide a killed run's later steps
-            writers.append(SummaryWriter(str(out / "tensorboard" / name), purge_step=purge))
-            writers[-1].add_text("config", text)
-    return writers
+# ---- the training loop ----
 
 
-def wait_for(tree: Any, plots: "Plots | None") -> None:
-    """Block until `tree` is computed, waking often (a Ctrl-C is heard at once)."""
-    while not all(leaf.is_ready() for leaf in jax.tree.leaves(tree)):
-        if plots is None or not plots.animate():
-            time.sleep(0.01)
-
-
-def log_chunk(
-    config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], now: float
-) -> tuple[list[dict], str | None]:
-    """The chunk's metrics rows, one per run, and what is not finite in them (or None)."""
-    last = rows[-1] if rows else {"env_steps": 0, "updates": 0, "wall_seconds": 0.0}
-    seconds = now - last["wall_seconds"]  # the chunk's own (unrounded: a chunk may take < 1 ms)
-    new_rows = [
+def chunk_rows(config: Config, grid: list[Point], metrics: Metrics, before: dict, now: float):
+    """The chunk's metrics rows, one per run (`before`: the last chunk's row, or zeros)."""
+    seconds = now - before["wall_seconds"]  # unrounded: a chunk may take < 1 ms
+    return [
         {
             "seed": config.seed + run % config.num_seeds,
             **grid[run // config.num_seeds],  # the swept values after the seed
             "env_steps": int(metrics.env_steps[run]),
             "updates": int(metrics.updates[run]),
             "wall_seconds": now,
-            "sps": round((int(metrics.env_steps[run]) - last["env_steps"]) / seconds, 1),
+            "sps": (int(metrics.env_steps[run]) - before["env_steps"]) / seconds,
             **{name: float(getattr(metrics, name)[run]) for name in METRIC_COLUMNS},
         }
         for run in range(len(metrics.env_steps))
     ]
-    updated = new_rows[0]["updates"] > last["updates"]  # else the losses are NaN: none to average
-    finite = {name: np.isfinite(getattr(metrics, name)) | ~updated for name in LOSS_COLUMNS}
-    for name, ok in ({"parameter": metrics.params_finite} | finite).items():
-        if not ok.all():
-            run = int(np.argmin(ok))
-            where = f"chunk {len(rows) // len(new_rows) + 1}, seed {new_rows[run]['seed']}"
-            point = describe(grid[run // config.num_seeds])
-            return new_rows, f"{SCRIPT}: non-finite {name} in {where} {point}".strip() + "; stopped"
-    return new_rows, None
 
 
-def progress(config: Config, grid: list[Point], metrics: Metrics, rows: list[dict], total: int):
-    """The progress line: steps, rates, the return over runs (with a sweep's best and worst
-    grid point), the main losses, the time so far and to go."""
-    returns = metrics.episode_return
-    shown = "-" if np.isnan(returns).all() else f"{np.nanmean(returns):.1f}"
-    if returns.size > 1 and not np.isnan(returns).all():
-        shown += f" ± {np.nanstd(returns):.1f} (min {np.nanmin(returns):.1f})"
-    if config.sweep and np.isfinite(returns).all():
-        means = returns.reshape(len(grid), config.num_seeds).mean(axis=1)
-        shown += f" | best {describe(grid[means.argmax()])} {means.max():.1f}"
-        shown += f", worst {describe(grid[means.argmin()])} {means.min():.1f}"
+def progress(metrics: Metrics, new_rows: list[dict], before: dict, total: int) -> str:
+    """Env steps, the rates of all runs together, the training return over runs, the main
+    losses, the time so far and to go."""
+    now = new_rows[0]  # every run has made as many env steps and updates
+    updates = len(new_rows) * (now["updates"] - before["updates"])
+    updates /= now["wall_seconds"] - before["wall_seconds"]
+    rates = f"SPS {sum(row['sps'] for row in new_rows):,.0f}, updates/s {updates:,.0f}"
+    rates += f" (all {len(new_rows)} runs together)" if len(new_rows) > 1 else ""
+    returns = metrics.episode_return[np.isfinite(metrics.episode_return)]  # runs with episodes
+    shown = f"{returns.mean():.1f}" if returns.size else "-"
+    shown += f" ± {returns.std():.1f} (min {returns.min():.1f})" if returns.size > 1 else ""
     losses = " ".join(f"{name} {np.mean(getattr(metrics, name)):.3g}" for name in PROGRESS_COLUMNS)
-    now = rows[-1]
-    start = {"updates": 0, "wall_seconds": 0.0}
-    before = rows[-returns.size - 1] if len(rows) > returns.size else start
-    updates = (now["updates"] - before["updates"]) / (now["wall_seconds"] - before["wall_seconds"])
     done = now["env_steps"] / total
-    eta = now["wall_seconds"] * (1 / done - 1)
-    rates = f"SPS {now['sps']:,.0f} | updates/s {updates:,.0f}"
-    times = f"{now['wall_seconds']:.1f} s, ETA {eta:.1f} s"
     steps = f"steps {now['env_steps']:,}/{total:,} ({done:.0%})"
-    return f"{steps} | {rates} | return {shown} | {losses} | {times}"
+    times = f"{now['wall_seconds']:.1f} s, ETA {now['wall_seconds'] * (1 / done - 1):.1f} s"
+    return f"{steps} | {rates} | train return {shown} | {losses} | {times}"
 
 
-def train_and_log(
-    config: Config,
-    options: Options,
-    grid: list[Point],
-    out: Path,
-    keys: SeedKeys,
-    values: dict[str, Array],
-    resumed: dict | None,
-) -> tuple[TrainState, list[dict], list, dict]:
+def non_finite(grid: list[Point], metrics: Metrics, new_rows: list[dict], chunk: int) -> str | None:
+    """A line naming the chunk and the first run with a non-finite loss or parameter, or None."""
+    losses = np.stack([getattr(metrics, name) for name in LOSS_COLUMNS], axis=1)
+    updated = new_rows[0]["updates"] > 0  # before the first update the losses are NaN
+    finite = metrics.params_finite & (np.isfinite(losses).all(axis=1) | ~updated)
+    if finite.all():
+        return None
+    run = int(np.argmin(finite))
+    point = describe(grid[run * len(grid) // len(new_rows)])
+    where = f"chunk {chunk}, seed {new_rows[run]['seed']} {point}".strip()
+    return f"{SCRIPT}: non-finite loss or parameter in {where}; stopped"
+
+
+def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tuple[TrainState, dict]:
     """Every run (grid point x seed) in one program: the jitted, vmapped run_chunk once per chunk
     with the train state donated (updated in place, never copied). The next chunk is dispatched
     before this one is logged and drawn, so that the device does not wait for the host."""
 
-    def init(key: PRNGKey, values: dict[str, Array]) -> TrainState:
+    def init(key: PRNGKey, values: Point) -> TrainState:
         return make_train(with_values(config, values))[0](key)
 
-    def run_chunk(state: TrainState, chunk: Array, values: dict[str, Array]):
+    def run_chunk(state: TrainState, chunk: Array, values: Point) -> tuple[TrainState, Metrics]:
         return make_train(with_values(config, values))[1](state, chunk)
 
     start = time.perf_counter()
-    if resumed:  # the saved state, each run's part on its device (no fresh state made first)
-        layout = jax.eval_shape(jax.vmap(init), keys.train, values)
-        words = jax.device_put(resumed["state"], keys.train.sharding)
-        state = jax.jit(typed_keys(layout), out_shardings=keys.train.sharding)(words)
+    sharding = keys[0].sharding
+    if saved:  # the saved state, each run's part on its device (no fresh state made first)
+        state = jax.device_put(saved["state"], sharding)
     else:
-        state = jax.jit(jax.vmap(init), out_shardings=keys.train.sharding)(keys.train, values)
-    chunk_fn = jax.jit(
-        jax.vmap(run_chunk, (0, None, 0)), out_shardings=keys.train.sharding, donate_argnums=0
+        state = jax.jit(jax.vmap(init), out_shardings=sharding)(keys[0], values)
+    run_chunks = jax.jit(
+        jax.vmap(run_chunk, (0, None, 0)), out_shardings=sharding, donate_argnums=0
     )
-    chunk_fn = chunk_fn.lower(state, jnp.int32(0), values).compile()
+    run_chunks = run_chunks.lower(state, jnp.int32(0), values).compile()
     compile_seconds = time.perf_counter() - start
-    megabytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 2**20 / len(keys.train)
-    print(
-        f"compiled in {compile_seconds:.1f} s; train state {megabytes:.1f} MB per run", flush=True
-    )
-    if is_lead():
-        out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(config), indent=2))
-    rows = json.loads(resumed["rows"]) if resumed else []
-    first_chunk = resumed["chunk"] if resumed else 0
+    print(f"compiled in {compile_seconds:.1f} s", flush=True)
+    rows = json.loads(saved["rows"]) if saved else []
+    first_chunk = saved["chunk"] if saved else 0
     num_chunks = chunk_sizes(config)[1]
-    if resumed:
+    if saved:
         print(f"{SCRIPT}: resumed at chunk {first_chunk} of {num_chunks} in {out}", flush=True)
-    writers = open_tensorboard(config, grid, out, rows) if options.track and is_lead() else []
-    plots = None
-    stop = stop_on_signals()
+    writers = []
+    if options.track and is_lead():  # a writer per run; at env steps, a resumed run goes on
+        from tensorboardX import SummaryWriter  # optional: check_options found it installed
+
+        seeds = range(config.seed, config.seed + config.num_seeds)
+        names = [f"seed{seed} {describe(point)}".strip() for point in grid for seed in seeds]
+        writers = [SummaryWriter(str(out / "tensorboard" / name)) for name in names]
+    figure = None  # made when first drawn: matplotlib is slow to import
+    drawn = time.perf_counter()
     start = time.perf_counter() - (rows[-1]["wall_seconds"] if rows else 0.0)
-    plotted = time.perf_counter()
-    state, pending = chunk_fn(state, jnp.int32(first_chunk), values)
+    state, pending = run_chunks(state, jnp.int32(first_chunk), values)
     for chunk in range(first_chunk, num_chunks):
-        wait_for(pending, plots)
+        while not all(leaf.is_ready() for leaf in jax.tree.leaves(pending)):
+            time.sleep(0.01)  # waking often: a Ctrl-C is heard at once, a window stays live
+            if figure is not None:
+                figure.canvas.flush_events()
         metrics, stops = fetch((pending, np.array([stop[0]])))
-        stopped = bool(stops.any())  # a Ctrl-C on any process stops every process
-        if stopped and not stop[0]:
-            print(f"{SCRIPT}: Ctrl-C on another process: stopping after this chunk", flush=True)
-        every = max(options.checkpoint_every // (int(metrics.env_steps[0]) // (chunk + 1)), 1)
-        periodic = options.checkpoint_every > 0 and (chunk + 1) % every == 0  # in whole chunks
-        ends = chunk + 1 == num_chunks and options.save_model
-        saved = fetch(key_words(state)) if stopped or periodic or ends else None
+        finished = chunk + 1 == num_chunks
+        stopped = bool(stops.any()) and not finished  # a stop anywhere stops every process
+        steps_per_chunk = int(metrics.env_steps[0]) // (chunk + 1)
+        every = max(options.checkpoint_every // steps_per_chunk, 1)  # in whole chunks
+        due = options.checkpoint_every > 0 and (chunk + 1) % every == 0 and not finished
+        saved_state = fetch(state) if stopped or due else None  # before the state is donated
         live_params = first_run(trained_params(state)) if options.live and is_lead() else None
-        if chunk + 1 < num_chunks and not stopped:  # runs while this chunk is logged and drawn
-            state, pending = chunk_fn(state, jnp.int32(chunk + 1), values)
-        new_rows, non_finite = log_chunk(config, grid, metrics, rows, time.perf_counter() - start)
+        if not (finished or stopped):  # runs while this chunk is logged and drawn
+            state, pending = run_chunks(state, jnp.int32(chunk + 1), values)
+        before = rows[-1] if rows else {"env_steps": 0, "updates": 0, "wall_seconds": 0.0}
+        new_rows = chunk_rows(config, grid, metrics, before, time.perf_counter() - start)
         rows += new_rows
-        total = new_rows[0]["env_steps"] // (chunk + 1) * num_chunks  # chunks are alike
-        print(progress(config, grid, metrics, rows, total), flush=True)
+        print(progress(metrics, new_rows, before, steps_per_chunk * num_chunks), flush=True)
         for writer, row in zip(writers, new_rows, strict=False):
             for name in ("sps", *METRIC_COLUMNS):
-                if np.isfinite(row[name]):
-                    group = "losses" if name in LOSS_COLUMNS else "charts"
-                    writer.add_scalar(f"{group}/{name}", row[name], row["env_steps"])
-        if is_lead():
-            write_atomic(out / "metrics.csv", csv_text(rows))
-        if non_finite:  # every process has every run's metrics: they all stop here
-            if is_lead():
-                print(f"{non_finite} (the files in {out} hold the chunks so far)", file=sys.stderr)
+                writer.add_scalar(name, row[name], row["env_steps"])
+        problem = non_finite(grid, metrics, new_rows, chunk + 1)
+        if problem:  # every process has every run's metrics: they all stop here
+            print(f"{problem} (the files in {out} hold the chunks so far)", file=sys.stderr)
+        if not is_lead():
+            continue  # process 0 writes and draws
+        write_atomic(out / "metrics.csv", csv_text(rows))
+        if problem:
             sys.exit(1)
-        if saved is not None and is_lead():  # after the chunk's rows: a resume continues them
+        if saved_state is not None:  # after the chunk's rows: a resume goes on from them
             resume = {"chunk": chunk + 1, "rows": json.dumps(rows)}
-            resume["state"] = flax.serialization.to_state_dict(saved)
-            data = checkpoint(config, grid, trained_params(saved), resume)
+            resume["state"] = flax.serialization.to_state_dict(saved_state)
+            data = checkpoint(config, grid, trained_params(saved_state), resume)
             write_atomic(out / "checkpoint.msgpack", data)
-        plot_due = options.plot and 0 < options.plot_every <= time.perf_counter() - plotted
-        if is_lead() and plots is None and (options.live or plot_due):
-            plots = Plots(config, options, grid)  # here: matplotlib's import takes a while
-        if plots and (plots.window or plot_due):
-            frames = plots.render(live_params, first_run(keys.render)) if live_params else None
-            plots.update(rows, frames)
-        if plots and plot_due:
-            plots.save(out / "curves.png")
-            plotted = time.perf_counter()
+        last = finished or stopped
+        plot_due = options.plot and (last or 0 < options.plot_every <= time.perf_counter() - drawn)
+        if options.live or plot_due:
+            first = with_values(config, grid[0])
+            shown = render_policy(first, live_params, first_run(keys[2])) if live_params else None
+            figure = figure or new_figure(options.live)
+            draw_curves(figure, config, grid, rows, None if shown is None else shown[0])
+        if plot_due:
+            save_figure(figure, out / "curves.png")
+            drawn = time.perf_counter()
         if stopped:
             break
+    for writer in writers:
+        writer.close()
     train_seconds = time.perf_counter() - start
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if is_lead() and options.plot:
-        plots = plots or Plots(config, options, grid)
-        plots.update(rows, None)
-        plots.save(out / "curves.png")
-    summary = {
+    return state, {
         "train_seconds": train_seconds,
         "compile_seconds": compile_seconds,
-        "env_steps": rows[-1]["env_steps"],
-        "updates": rows[-1]["updates"],
         "env_steps_per_second": rows[-1]["env_steps"] / train_seconds,
         "updates_per_second": rows[-1]["updates"] / train_seconds,
         "stopped_early": stopped,
         "exit_status": max(int(stops.max()), stop[0]),  # 130 after Ctrl-C, 143 after SIGTERM
     }
-    return state, rows, writers, summary
+
+
+# ---- main ----
 
 
 def main(config: Config, options: Options) -> None:
@@ -1233,14 +1126,16 @@ def main(config: Config, options: Options) -> None:
         compile_cache = enable_compile_cache(options)  # before anything starts JAX's backend
         check_options(options)
         validate(config)
-        if options.eval_only:
-            config, payload = load_checkpoint(Path(options.load_model), config, "--load-model")
-            params = payload["params"]
-        resumed = None
-        if options.resume is not None:
-            path = Path(options.resume)
-            path = path / "checkpoint.msgpack" if path.is_dir() else path
-            config, resumed = load_checkpoint(path, config, "--resume")
+        path = Path(options.resume or options.load_model or "")  # a run folder, or its file
+        model = path / "model.msgpack" if options.eval_only else path
+        path = model if model.is_file() else path / "checkpoint.msgpack" if path.is_dir() else path
+        if options.resume and not path.exists() and (path.parent / "summary.json").exists():
+            print(f"{SCRIPT}: {path.parent} holds a finished run; nothing to resume")
+            sys.exit(0)  # (its checkpoint was removed when it finished)
+        saved = None
+        if options.resume or options.eval_only:
+            flag = "--resume" if options.resume else "--load-model"
+            config, saved = load_checkpoint(path, config, flag)
         if options.distributed:
             start_distributed(options)
         grid = sweep_grid(config)
@@ -1248,23 +1143,23 @@ def main(config: Config, options: Options) -> None:
         devices = jax.devices()  # of every process: the runs are sharded over all of them
         divides = f"such that the {num_runs} runs divide over the {len(devices)} devices"
         require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
-        if resumed:
-            resumed["state"] = saved_state(config, grid, resumed, path)
-        if resumed and resumed["chunk"] == chunk_sizes(config)[1]:
-            print(f"{SCRIPT}: {path} holds a finished run; nothing to resume")
-            sys.exit(0)
+        sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
+        keys = jax.jit(run_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
+        if options.resume:  # the saved train state, checked against the layout init makes
+            layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys[0])
+            try:
+                saved["state"] = flax.serialization.from_state_dict(layout, saved["state"])
+                assert jax.tree.map(np.shape, saved["state"]) == jax.tree.map(np.shape, layout)
+            except (KeyError, ValueError, TypeError, AssertionError):
+                raise UsageError(f"--resume {path} holds no train state of this run") from None
         out = Path(options.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
-        out = path.parent if resumed else out
-        taken = out.is_dir() and any(out.iterdir()) and not (options.overwrite or resumed)
-        if is_lead() and taken:
-            raise UsageError(f"--output-dir {out} already holds files; --overwrite writes there")
-        try:  # can it be made? It is made once the programs are compiled (a Ctrl-C leaves none)
-            if is_lead() and not out.is_dir():
-                out.mkdir(parents=True)
-                out.rmdir()
+        out = path.parent if options.resume else out
+        try:
+            out.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            message = f"--output-dir {out}: cannot make this folder ({error.strerror})"
-            raise UsageError(message) from None
+            raise UsageError(f"--output-dir {out}: cannot make it ({error.strerror})") from None
+        if is_lead() and any(out.iterdir()) and not (options.overwrite or options.resume):
+            raise UsageError(f"--output-dir {out} already holds files; --overwrite writes there")
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -1272,75 +1167,74 @@ def main(config: Config, options: Options) -> None:
         print(f"{SCRIPT}: process {jax.process_index()}, a worker; process 0 writes", flush=True)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # process 0 speaks
     started = time.time()
-    sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
-    runs = f"{len(grid)} grid points x " * bool(config.sweep) + f"{config.num_seeds} seed(s)"
-    where = (
-        f"{len(devices)} device(s) ({devices[0].device_kind}), {jax.process_count()} process(es)"
-    )
-    print(
-        f"{SCRIPT}: {env_name(config)}, {runs} x {config.num_envs} envs on {where}; "
-        f"compile cache: {compile_cache}",
-        flush=True,
-    )
-    # Each process computes and holds only the keys and swept values of its own runs.
-    keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
+    stop = stop_on_signals()  # from here, a Ctrl-C or SIGTERM ends the run with its outputs
+    where = f"{len(devices)} x {devices[0].device_kind}, {jax.process_count()} process(es)"
+    runs = f"{runs_text(config, grid)} x {config.num_envs} envs"
+    print(f"{SCRIPT}: {env_name(config)}, {runs} on {where}; compile cache: {compile_cache}")
+    if is_lead():
+        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(config), indent=2))
     by_run = {
         name: np.repeat([point[name] for point in grid], config.num_seeds) for name in grid[0]
     }
-    values = jax.device_put(jax.tree.map(np.float32, by_run), sharding)
+    values = jax.device_put(jax.tree.map(np.float32, by_run), sharding)  # each process its runs
+    if options.eval_only:
+        params = jax.device_put(saved["params"], sharding)
+        summary = {"model": str(path), "stopped_early": False, "exit_status": 0}
+    else:
+        state, summary = train_and_log(config, options, grid, out, keys, values, saved, stop)
+        params = trained_params(state)
 
-    def evaluate_run(params: Params, key: PRNGKey, values: dict[str, Array]) -> dict[str, Array]:
+    def evaluate_run(params: Params, key: PRNGKey, values: Point) -> dict[str, Array]:
         return make_evaluate(with_values(config, values), options.eval_episodes)(params, key)
 
-    summary: dict[str, Any] = {"stopped_early": False, "exit_status": 0}
-    writers = []
-    if options.eval_only:
-        params = jax.device_put(params, sharding)
-    else:
-        state, rows, writers, summary = train_and_log(
-            config, options, grid, out, keys, values, resumed
-        )
-        params = trained_params(state)
-    evaluation = fetch(jax.jit(jax.vmap(evaluate_run))(params, keys.evaluate, values))
-    per_run = {name: np.mean(values, axis=1) for name, values in evaluation.items()}
+    evaluation = fetch(jax.jit(jax.vmap(evaluate_run))(params, keys[1], values))
+    evaluation = {name: np.mean(values, axis=1) for name, values in evaluation.items()}
     saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():
         sys.exit(summary["exit_status"])  # process 0 writes the outputs
-    out.mkdir(parents=True, exist_ok=True)
     if saved_params is not None:
-        write_atomic(out / "model.msgpack", checkpoint(config, grid, saved_params, None))
-    for run, writer in enumerate(writers):
-        for name, values in per_run.items():
-            writer.add_scalar(f"eval/{name}", values[run], rows[-1]["env_steps"])
-        writer.close()
-    returns = per_run.pop("episode_return")
+        write_atomic(out / "model.msgpack", checkpoint(config, grid, saved_params, {}))
+    returns = evaluation["episode_return"]
+    bar = solved_return(config)
+    sweep = [  # per grid point: its values, its seeds' returns, their mean, std and solved share
+        {**point, "final_returns": seeds.tolist(), "mean": seeds.mean(), "std": seeds.std()}
+        | {"solved_fraction": (seeds >= bar).mean()}
+        for point, seeds in zip(grid, returns.reshape(len(grid), -1).astype(float), strict=True)
+    ]
     summary = {
-        "final_returns": returns.tolist(),
+        **{f"final_{name}": values.tolist() for name, values in evaluation.items()},
         "final_return_mean": float(returns.mean()),
         "final_return_std": float(returns.std()),
-        **{f"final_{name}": values.tolist() for name, values in per_run.items()},
+        "solved_runs": int((returns >= bar).sum()),
+        "solved_return": bar,
         **summary,
+        "sweep": sweep if config.sweep else None,
         "num_seeds": config.num_seeds,
         "num_envs": config.num_envs,
         "device": f"{len(devices)} x {devices[0].device_kind}",
+        "versions": {name: version(name) for name in ("jax", "jaxlib", "flax", "optax", "numpy")},
     }
-    if config.sweep:
-        summary["sweep"] = write_sweep(out, config, grid, returns)
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
-    if options.capture_gif:
-        render, seconds_per_frame = make_render(with_values(config, grid[0]))
-        frames = np.asarray(jax.jit(render)(first_run(params), first_run(keys.render)))
+    shown = render_policy(with_values(config, grid[0]), first_run(params), first_run(keys[2]))
+    if shown is not None and options.capture_gif:
         caption = f"{SCRIPT}, seed {config.seed} {describe(grid[0])}: return {returns[0]:.1f}"
-        write_atomic(out / "policy.gif", gif(frames, seconds_per_frame, caption))
+        write_atomic(out / "policy.gif", gif(*shown, caption))
+    if not summary["stopped_early"] and (out / "checkpoint.msgpack").exists():
+        (out / "checkpoint.msgpack").unlink()  # a finished run has nothing to resume
     spread = f" ± {returns.std():.1f} (mean ± std over {num_runs} runs)" if num_runs > 1 else ""
-    others = "".join(f", {name} {values.mean():.3g}" for name, values in per_run.items())
-    solved = f"{(returns >= SOLVED_RETURN).sum()}/{num_runs} >= {SOLVED_RETURN:g}"
+    others = [
+        f", {name} {value.mean():.3g}" for name, value in evaluation.items() if value is not returns
+    ]
     episodes = f"{options.eval_episodes} deterministic episodes per run"
-    print(f"evaluation, {episodes}: return {returns.mean():.1f}{spread}; {solved}{others}")
+    solved = f"{summary['solved_runs']}/{num_runs} >= {bar:g}"
+    print(f"evaluation, {episodes}: return {returns.mean():.1f}{spread}; {solved}{''.join(others)}")
+    for point, report in zip(grid, sweep if config.sweep else [], strict=False):
+        finals = " ".join(f"{value:.1f}" for value in report["final_returns"])
+        mean = f"{report['mean']:.1f} ± {report['std']:.1f}, solved {report['solved_fraction']:.0%}"
+        print(f"  {describe(point)}: {finals}; {mean}")
     wrote = sorted(path.name for path in out.iterdir() if path.stat().st_mtime >= started)
     print(f"wrote {', '.join(wrote)} in {out}", flush=True)
-    if summary["exit_status"]:
-        sys.exit(summary["exit_status"])  # interrupted: 130 after Ctrl-C, 143 after SIGTERM
+    sys.exit(max(summary["exit_status"], stop[0]))  # 130 after Ctrl-C, 143 after SIGTERM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1360,8 +1254,6 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, abort)  # a Ctrl-C before training (during compile, say)
     try:
         main(*parse_args())
-    except KeyboardInterrupt:  # a Ctrl-C after training
-        abort(signal.SIGINT, None)
     except BrokenPipeError:  # `--help | head` closed the pipe: end quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
