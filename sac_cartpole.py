@@ -692,7 +692,7 @@ import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Annotated, get_type_hints
+from typing import Annotated, NamedTuple, get_type_hints
 
 import flax.serialization
 import numpy as np
@@ -788,6 +788,13 @@ def check_options(options: Options) -> None:
     cluster = (options.coordinator_address, options.num_processes, options.process_id)
     if not options.distributed and cluster != (None, None, None):
         raise UsageError("--coordinator-address, --num-processes, --process-id need --distributed")
+    processes = 2**31 if options.num_processes is None else options.num_processes
+    require(processes >= 1, "num_processes", ">= 1", options.num_processes)
+    process_ok = 0 <= (options.process_id or 0) < processes
+    require(process_ok, "process_id", "in [0, --num-processes)", options.process_id)
+    host, _, port = (options.coordinator_address or "host:1").rpartition(":")
+    address_ok = bool(host) and port.isdigit() and 0 < int(port) < 2**16
+    require(address_ok, "coordinator_address", "HOST:PORT", options.coordinator_address)
     if options.track and importlib.util.find_spec("tensorboardX") is None:
         raise UsageError("--track needs tensorboardX: pip install tensorboardX")
 
@@ -860,13 +867,20 @@ def runs_text(config: Config, grid: list[Point]) -> str:
     return f"{len(grid)} grid points x {seeds}" if config.sweep else seeds
 
 
-def run_keys(config: Config, num_points: int) -> tuple[PRNGKey, PRNGKey, PRNGKey]:
-    """Per run, its training, evaluation and rendering keys, split once from the run's seed: run
-    r (grid point r // num_seeds) is the run of --seed (seed + r % num_seeds) alone. Raw uint32
-    keys (jax.random.PRNGKey), which a checkpoint holds as they are."""
+class SeedKeys(NamedTuple):
+    """Per run, three independent keys split once from the run's seed: raw uint32 keys
+    (jax.random.PRNGKey), which a checkpoint holds as they are."""
+
+    train: PRNGKey
+    evaluate: PRNGKey
+    render: PRNGKey
+
+
+def seed_keys(config: Config, num_points: int = 1) -> SeedKeys:
+    """Run r (grid point r // num_seeds) is the run of --seed (seed + r % num_seeds) alone."""
     seeds = config.seed + jnp.arange(num_points * config.num_seeds) % config.num_seeds
     keys = jax.vmap(lambda seed: jax.random.split(jax.random.PRNGKey(seed), 3))(seeds)
-    return keys[:, 0], keys[:, 1], keys[:, 2]
+    return SeedKeys(train=keys[:, 0], evaluate=keys[:, 1], render=keys[:, 2])
 
 
 # ---- outputs ----
@@ -1005,8 +1019,8 @@ def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict
             saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
             saved = Config(**saved | {"env": EnvConfig(**saved["env"])})
     except Exception as error:  # whatever is wrong with the file, it is the same user error
-        reason = getattr(error, "strerror", None) or "not a checkpoint or model file"
-        raise UsageError(f"{flag} {path}: {reason}") from None
+        reason = getattr(error, "strerror", None) or "not a model or checkpoint file"
+        raise UsageError(f"{flag} {path} is not a checkpoint of {SCRIPT} ({reason})") from None
     if payload["script"] != SCRIPT:
         found = f"a {payload['script']} checkpoint for {payload['env']}"
         raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
@@ -1015,7 +1029,7 @@ def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict
     physics = physics if flag == "--load-model" else {}
     for name, value in given.items():
         if name not in physics and value != flat(saved)[name]:
-            raise UsageError(f"--{name.replace('_', '-')} is the checkpoint's; leave it out")
+            raise UsageError(f"--{name.replace('_', '-')} is set by the checkpoint; leave it out")
     env, env_params = make_env(saved)
     spaces = (env.observation_space(env_params).shape, env.action_space(env_params).shape)
     saved = with_values(saved, physics)
@@ -1065,10 +1079,9 @@ def abort(signum: int, frame: Any) -> None:
     os._exit(128 + signum)
 
 
-def stop_on_signals() -> list[int]:
+def stop_on_signals(stop: list[int]) -> None:
     """The first Ctrl-C or SIGTERM (a scheduler's notice) asks the loop to stop after the chunk in
-    progress and to exit with 130 or 143, as a shell expects; a second Ctrl-C aborts."""
-    stop = [0]
+    progress and to exit with 130 or 143 (stop[0]), as a shell expects; a second Ctrl-C aborts."""
 
     def request_stop(signum: int, frame: Any) -> None:
         if stop[0] and signum == signal.SIGINT:
@@ -1079,7 +1092,6 @@ def stop_on_signals() -> list[int]:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    return stop
 
 
 # ---- the training loop ----
@@ -1145,11 +1157,11 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
         return make_train(with_values(config, values))[1](state, chunk)
 
     start = time.perf_counter()
-    sharding = keys[0].sharding
+    sharding = keys.train.sharding
     if saved:  # the saved state, each run's part on its device (no fresh state made first)
         state = jax.device_put(saved["state"], sharding)
     else:
-        state = jax.jit(jax.vmap(init), out_shardings=sharding)(keys[0], values)
+        state = jax.jit(jax.vmap(init), out_shardings=sharding)(keys.train, values)
     run_chunks = jax.jit(
         jax.vmap(run_chunk, (0, None, 0)), out_shardings=sharding, donate_argnums=0
     )
@@ -1170,6 +1182,7 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
         writers = [SummaryWriter(str(out / "tensorboard" / name)) for name in names]
     figure = None  # made when first drawn: matplotlib is slow to import
     drawn = time.perf_counter()
+    stop_on_signals(stop)  # (until here, a Ctrl-C aborts: compiling cannot be stopped)
     start = time.perf_counter() - (rows[-1]["wall_seconds"] if rows else 0.0)
     state, pending = run_chunks(state, jnp.int32(first_chunk), values)
     for chunk in range(first_chunk, num_chunks):
@@ -1180,6 +1193,8 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
         metrics, stops = fetch((pending, np.array([stop[0]])))
         finished = chunk + 1 == num_chunks
         stopped = bool(stops.any()) and not finished  # a stop anywhere stops every process
+        if stopped and not stop[0]:
+            print(f"{SCRIPT}: Ctrl-C on another process: stopping after this chunk", flush=True)
         steps_per_chunk = int(metrics.env_steps[0]) // (chunk + 1)
         every = max(options.checkpoint_every // steps_per_chunk, 1)  # in whole chunks
         due = options.checkpoint_every > 0 and (chunk + 1) % every == 0 and not finished
@@ -1211,7 +1226,9 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
         plot_due = options.plot and (last or 0 < options.plot_every <= time.perf_counter() - drawn)
         if options.live or plot_due:
             first = with_values(config, grid[0])
-            shown = render_policy(first, live_params, first_run(keys[2])) if live_params else None
+            shown = (
+                render_policy(first, live_params, first_run(keys.render)) if live_params else None
+            )
             figure = figure or new_figure(options.live)
             draw_curves(figure, config, grid, rows, None if shown is None else shown[0])
         if plot_due:
@@ -1225,6 +1242,8 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
     return state, {
         "train_seconds": train_seconds,
         "compile_seconds": compile_seconds,
+        "env_steps": rows[-1]["env_steps"],
+        "updates": rows[-1]["updates"],
         "env_steps_per_second": rows[-1]["env_steps"] / train_seconds,
         "updates_per_second": rows[-1]["updates"] / train_seconds,
         "stopped_early": stopped,
@@ -1258,9 +1277,9 @@ def main(config: Config, options: Options) -> None:
         divides = f"such that the {num_runs} runs divide over the {len(devices)} devices"
         require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
         sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
-        keys = jax.jit(run_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
+        keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
         if options.resume:  # the saved train state, checked against the layout init makes
-            layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys[0])
+            layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys.train)
             try:
                 saved["state"] = flax.serialization.from_state_dict(layout, saved["state"])
                 assert jax.tree.map(np.shape, saved["state"]) == jax.tree.map(np.shape, layout)
@@ -1281,8 +1300,10 @@ def main(config: Config, options: Options) -> None:
         print(f"{SCRIPT}: process {jax.process_index()}, a worker; process 0 writes", flush=True)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # process 0 speaks
     started = time.time()
-    stop = stop_on_signals()  # from here, a Ctrl-C or SIGTERM ends the run with its outputs
-    where = f"{len(devices)} x {devices[0].device_kind}, {jax.process_count()} process(es)"
+    stop = [0]  # a Ctrl-C or SIGTERM once training runs: it ends with the run's outputs
+    where = (
+        f"{len(devices)} device(s) ({devices[0].device_kind}), {jax.process_count()} process(es)"
+    )
     runs = f"{runs_text(config, grid)} x {config.num_envs} envs"
     print(f"{SCRIPT}: {env_name(config)}, {runs} on {where}; compile cache: {compile_cache}")
     if is_lead():
@@ -1301,7 +1322,7 @@ def main(config: Config, options: Options) -> None:
     def evaluate_run(params: Params, key: PRNGKey, values: Point) -> dict[str, Array]:
         return make_evaluate(with_values(config, values), options.eval_episodes)(params, key)
 
-    evaluation = fetch(jax.jit(jax.vmap(evaluate_run))(params, keys[1], values))
+    evaluation = fetch(jax.jit(jax.vmap(evaluate_run))(params, keys.evaluate, values))
     evaluation = {name: np.mean(values, axis=1) for name, values in evaluation.items()}
     saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():
@@ -1309,6 +1330,7 @@ def main(config: Config, options: Options) -> None:
     if saved_params is not None:
         write_atomic(out / "model.msgpack", checkpoint(config, grid, saved_params, {}))
     returns = evaluation["episode_return"]
+    extras = [name for name in evaluation if name != "episode_return"]  # swing-up's upright, say
     bar = solved_return(config)
     sweep = [  # per grid point: its values, its seeds' returns, their mean, std and solved share
         {**point, "final_returns": seeds.tolist(), "mean": seeds.mean(), "std": seeds.std()}
@@ -1316,11 +1338,12 @@ def main(config: Config, options: Options) -> None:
         for point, seeds in zip(grid, returns.reshape(len(grid), -1).astype(float), strict=True)
     ]
     summary = {
-        **{f"final_{name}": values.tolist() for name, values in evaluation.items()},
+        "final_returns": returns.tolist(),
         "final_return_mean": float(returns.mean()),
         "final_return_std": float(returns.std()),
         "solved_runs": int((returns >= bar).sum()),
         "solved_return": bar,
+        **{f"final_{name}": evaluation[name].tolist() for name in extras},
         **summary,
         "sweep": sweep if config.sweep else None,
         "num_seeds": config.num_seeds,
@@ -1329,19 +1352,17 @@ def main(config: Config, options: Options) -> None:
         "versions": {name: version(name) for name in ("jax", "jaxlib", "flax", "optax", "numpy")},
     }
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
-    shown = render_policy(with_values(config, grid[0]), first_run(params), first_run(keys[2]))
+    shown = render_policy(with_values(config, grid[0]), first_run(params), first_run(keys.render))
     if shown is not None and options.capture_gif:
         caption = f"{SCRIPT}, seed {config.seed} {describe(grid[0])}: return {returns[0]:.1f}"
         write_atomic(out / "policy.gif", gif(*shown, caption))
     if not summary["stopped_early"] and (out / "checkpoint.msgpack").exists():
         (out / "checkpoint.msgpack").unlink()  # a finished run has nothing to resume
     spread = f" ± {returns.std():.1f} (mean ± std over {num_runs} runs)" if num_runs > 1 else ""
-    others = [
-        f", {name} {value.mean():.3g}" for name, value in evaluation.items() if value is not returns
-    ]
     episodes = f"{options.eval_episodes} deterministic episodes per run"
     solved = f"{summary['solved_runs']}/{num_runs} >= {bar:g}"
-    print(f"evaluation, {episodes}: return {returns.mean():.1f}{spread}; {solved}{''.join(others)}")
+    shown = "".join(f", {name} {evaluation[name].mean():.3g}" for name in extras)
+    print(f"evaluation, {episodes}: return {returns.mean():.1f}{spread}; {solved}{shown}")
     for point, report in zip(grid, sweep if config.sweep else [], strict=False):
         finals = " ".join(f"{value:.1f}" for value in report["final_returns"])
         mean = f"{report['mean']:.1f} ± {report['std']:.1f}, solved {report['solved_fraction']:.0%}"

@@ -389,9 +389,10 @@ def test_run_writes_every_output(finished_run):
     out, result = finished_run
     assert (
         "compile cache: " in result.stdout.splitlines()[0]
-        and "MB per run" in result.stdout
         and "compiled in" in result.stdout
         and "SPS" in result.stdout
+        and "(all 2 runs together)" in result.stdout  # the rates are of every run
+        and "train return" in result.stdout
     )
     for name in [
         "config.json",
@@ -429,9 +430,15 @@ def test_run_writes_every_output(finished_run):
         "num_seeds",
         "num_envs",
         "device",
+        "versions",
     ]:
         assert key in summary, key
     assert len(summary["final_returns"]) == 2 and summary["updates_per_second"] > 0
+    assert set(summary["versions"]) == {"jax", "jaxlib", "flax", "optax", "numpy"}
+    assert not summary["stopped_early"] and not (out / "checkpoint.msgpack").exists()
+    from PIL import Image
+
+    assert Image.open(out / "policy.gif").info["loop"] == 0  # it plays on, not once
 
 
 def without_timing(path: Path) -> list[dict]:
@@ -622,7 +629,7 @@ def test_a_folder_with_files_needs_overwrite_which_keeps_the_users_files(tmp_pat
     )
 
 
-def test_ctrl_c_during_compile_exits_130_without_a_traceback_or_a_folder(tmp_path):
+def test_ctrl_c_during_compile_exits_130_without_a_traceback(tmp_path):
     out = tmp_path / "run"
     process = subprocess.Popen(
         [sys.executable, str(SCRIPT), *TINY_FLAGS, "--output-dir", str(out), "--no-compile-cache"],
@@ -634,7 +641,7 @@ def test_ctrl_c_during_compile_exits_130_without_a_traceback_or_a_folder(tmp_pat
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 130 and "Traceback" not in stderr, stderr
-    assert "compiled" not in stdout and not out.exists()
+    assert "compiled" not in stdout and not (out / "metrics.csv").exists()
 
 
 def test_a_cache_that_plain_jax_filled_gives_no_warnings(tmp_path):
@@ -652,7 +659,8 @@ def test_a_cache_that_plain_jax_filled_gives_no_warnings(tmp_path):
         assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr
 
 
-def test_the_solved_line_is_labelled_and_the_gif_says_what_it_shows(finished_run):
+def test_the_curves_label_what_they_show_and_the_gif_says_what_it_shows(finished_run):
+    from matplotlib.figure import Figure
     from PIL import Image
 
     out, _ = finished_run
@@ -660,9 +668,15 @@ def test_the_solved_line_is_labelled_and_the_gif_says_what_it_shows(finished_run
         {name: float(value) for name, value in row.items()}
         for row in csv.DictReader((out / "metrics.csv").open())
     ]
-    plots = sac.Plots(TINY, sac.Options(), [{}])
-    plots.update(rows, None)
-    assert "solved (-200)" in plots.axes[0].get_legend_handles_labels()[1]
+    figure = Figure()
+    config = dataclasses.replace(TINY, num_seeds=2)
+    sac.draw_curves(figure, config, [{}], rows, frames=None)
+    assert figure.get_suptitle() == "sac_pendulum on Pendulum-v1: 2 seeds"
+    assert [axis.get_legend() for axis in figure.axes] == [None] * len(figure.axes)
+    labels = [text.get_text() for text in figure.legends[0].get_texts()]  # one, below the panels
+    assert labels == ["mean", "min-max over seeds", "solved (-200)"]
+    ticks = figure.axes[0].xaxis.get_major_formatter().format_ticks([100_000, 1_200_000])
+    assert ticks == ["100k", "1.2M"]  # short labels: long numbers collided on short runs
     caption = np.asarray(Image.open(out / "policy.gif").convert("L"))[:16]
     assert caption.min() < 100  # dark caption text above the white frames
 
