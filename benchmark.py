@@ -16,12 +16,14 @@ Rows merge into --output (docs/benchmarks.json) by ROW_KEY; envs, train, seeds d
 import argparse
 import collections
 import csv
+import ctypes
 import dataclasses
 import datetime
 import itertools
 import json
 import os
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -330,6 +332,13 @@ def run_seeds(args: argparse.Namespace) -> list[dict]:
 
 
 # ---- the scripts' command lines, in fresh processes ----
+def die_with_parent() -> None:
+    """In a child process: end it with a SIGTERM when its parent dies (Linux's PDEATHSIG), so that
+    no --distributed worker outlives a killed benchmark.py, or the pytest that started it."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def run_script(script, cache_dir, flags, processes=1, environment=None, tree=REPO) -> dict:
     """summary.json of `script.py --output-dir DIR flags`, its metrics.csv rows, and the seconds
     from launch to its first progress line and to exit; several `processes`: --distributed."""
@@ -346,6 +355,7 @@ def run_script(script, cache_dir, flags, processes=1, environment=None, tree=REP
         environment = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir, **(environment or {})}
         environment["PYTHONUNBUFFERED"] = "1"
         options = dict(stderr=subprocess.STDOUT, text=True, env=environment, cwd=tree)
+        options["preexec_fn"] = die_with_parent
         start = time.perf_counter()
         running = [subprocess.Popen(commands[0], stdout=subprocess.PIPE, **options)]
         for command in commands[1:]:  # to a file: a pipe nobody reads could fill and block them
@@ -391,7 +401,7 @@ def run_solve(args: argparse.Namespace) -> list[dict]:
     scripts = args.scripts or SCRIPTS
     for script in [name for name in scripts if not (args.quick and name == "ppo_snake")]:
         module = import_module(script)
-        bar = module.SOLVED_RETURN  # the script's own bar
+        bar = module.solved_return(module.Config())  # the script's own bar
         runs = []
         for index in range(1 if args.quick else args.runs):  # the default seed first
             flags = [*SCRIPT_FLAGS, "--seed", str(module.Config().seed + index), *args.flags]
@@ -463,7 +473,8 @@ def run_versus(args: argparse.Namespace) -> list[dict]:
                 output = Path(temporary, f"{name}-{script}.json")  # each round's rows replace
                 command = [sys.executable, "benchmark.py", "--output", str(output), "train"]
                 command += ["--scripts", script, "--repeats", "5", "--num-envs"]
-                subprocess.run([*command, *map(str, sizes[script])], check=True, cwd=trees[name])
+                command += map(str, sizes[script])
+                subprocess.run(command, check=True, cwd=trees[name], preexec_fn=die_with_parent)
                 for row in json.loads(output.read_text())["rows"]:
                     speeds[name, script, row["num_envs"]].append(row["steps_per_second"])
                 warm_cache = os.path.join(temporary, name, script)

@@ -809,7 +809,8 @@ def sweep_grid(config: Config) -> list[Point]:
         name, _, listed = entry.partition("=")
         name = name.removeprefix("--").replace("-", "_")
         fields = ", ".join(name.replace("_", "-") for name in SWEEPABLE)
-        require(name in SWEEPABLE and name not in values, "sweep", f"one of {fields}", entry)
+        require(name in SWEEPABLE, "sweep", f"name one of {fields}", entry)
+        require(name not in values, "sweep", "one entry per field", entry)
         try:
             values[name] = [float(value) for value in listed.split(",")]
         except ValueError:
@@ -870,12 +871,11 @@ def jitted_render(config: Config) -> tuple[Callable, float]:
     return jax.jit(render), seconds_per_frame
 
 
-def render_policy(config: Config, params: Params, key: PRNGKey) -> tuple[np.ndarray, float] | None:
-    """One episode of the policy as frames, and seconds per frame; None, and one line saying so,
-    where the env has no renderer (a copied script on another env, say)."""
+def render_policy(config: Config, params: Params, key: PRNGKey) -> np.ndarray | None:
+    """One episode of the policy as frames; None, and one line saying so, where the env has no
+    renderer (a copied script on another env, say)."""
     try:
-        render, seconds_per_frame = jitted_render(config)
-        return np.asarray(render(params, key)), seconds_per_frame
+        return np.asarray(jitted_render(config)[0](params, key))
     except Exception as error:  # whatever it is, the run's model and summary are written first
         print(f"{SCRIPT}: no policy.gif or policy panel: {env_name(config)} is not drawn ({error})")
         return None
@@ -1015,7 +1015,9 @@ def start_distributed(options: Options) -> None:
         )
     except (ValueError, TypeError) as error:
         flags = "--coordinator-address HOST:PORT --num-processes N --process-id I"
-        raise UsageError(f"--distributed: {error} (without a cluster, give {flags})") from None
+        raise UsageError(
+            f"--distributed: {error} (with no cluster detected, give {flags})"
+        ) from None
 
 
 def is_lead() -> bool:
@@ -1141,7 +1143,9 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
         from tensorboardX import SummaryWriter  # optional: check_options found it installed
 
         seeds = range(config.seed, config.seed + config.num_seeds)
-        names = [f"seed{seed} {describe(point)}".strip() for point in grid for seed in seeds]
+        names = [
+            "_".join([f"seed{seed}", *describe(point).split()]) for point in grid for seed in seeds
+        ]
         writers = [SummaryWriter(str(out / "tensorboard" / name)) for name in names]
     figure = None  # made when first drawn: matplotlib is slow to import
     drawn = time.perf_counter()
@@ -1162,7 +1166,7 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
         every = max(options.checkpoint_every // steps_per_chunk, 1)  # in whole chunks
         due = options.checkpoint_every > 0 and (chunk + 1) % every == 0 and not finished
         saved_state = fetch(state) if stopped or due else None  # before the state is donated
-        live_params = first_run(trained_params(state)) if options.live and is_lead() else None
+        live_params = first_run(trained_params(state)) if options.live else None
         if not (finished or stopped):  # runs while this chunk is logged and drawn
             state, pending = run_chunks(state, jnp.int32(chunk + 1), values)
         before = rows[-1] if rows else {"env_steps": 0, "updates": 0, "wall_seconds": 0.0}
@@ -1185,15 +1189,15 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
             resume["state"] = flax.serialization.to_state_dict(saved_state)
             data = checkpoint(config, grid, trained_params(saved_state), resume)
             write_atomic(out / "checkpoint.msgpack", data)
-        last = finished or stopped
-        plot_due = options.plot and (last or 0 < options.plot_every <= time.perf_counter() - drawn)
+        due = finished or stopped or 0 < options.plot_every <= time.perf_counter() - drawn
+        plot_due = options.plot and due
         if options.live or plot_due:
             first = with_values(config, grid[0])
-            shown = (
-                render_policy(first, live_params, first_run(keys.render)) if live_params else None
+            frames = (
+                render_policy(first, live_params, first_run(keys.render)) if options.live else None
             )
             figure = figure or new_figure(options.live)
-            draw_curves(figure, config, grid, rows, None if shown is None else shown[0])
+            draw_curves(figure, config, grid, rows, frames)
         if plot_due:
             save_figure(figure, out / "curves.png")
             drawn = time.perf_counter()
@@ -1315,10 +1319,12 @@ def main(config: Config, options: Options) -> None:
         "versions": {name: version(name) for name in ("jax", "jaxlib", "flax", "optax", "numpy")},
     }
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
-    shown = render_policy(with_values(config, grid[0]), first_run(params), first_run(keys.render))
-    if shown is not None and options.capture_gif:
+    if options.capture_gif:  # after the model and the summary: an env may have no renderer
+        first = with_values(config, grid[0])
+        frames = render_policy(first, first_run(params), first_run(keys.render))
         caption = f"{SCRIPT}, seed {config.seed} {describe(grid[0])}: return {returns[0]:.1f}"
-        write_atomic(out / "policy.gif", gif(*shown, caption))
+        if frames is not None:
+            write_atomic(out / "policy.gif", gif(frames, jitted_render(first)[1], caption))
     if not summary["stopped_early"] and (out / "checkpoint.msgpack").exists():
         (out / "checkpoint.msgpack").unlink()  # a finished run has nothing to resume
     spread = f" ± {returns.std():.1f} (mean ± std over {num_runs} runs)" if num_runs > 1 else ""
@@ -1332,7 +1338,8 @@ def main(config: Config, options: Options) -> None:
         print(f"  {describe(point)}: {finals}; {mean}")
     wrote = sorted(path.name for path in out.iterdir() if path.stat().st_mtime >= started)
     print(f"wrote {', '.join(wrote)} in {out}", flush=True)
-    sys.exit(max(summary["exit_status"], stop[0]))  # 130 after Ctrl-C, 143 after SIGTERM
+    if max(summary["exit_status"], stop[0]):
+        sys.exit(max(summary["exit_status"], stop[0]))  # 130 after Ctrl-C, 143 after SIGTERM
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmark import die_with_parent  # no script outlives a killed pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT_FLAGS = ["--no-capture-gif", "--no-plot", "--no-save-model"]
 
@@ -16,7 +18,9 @@ SCRIPT_FLAGS = ["--no-capture-gif", "--no-plot", "--no-save-model"]
 def benchmark(output: Path, *args: str) -> list[dict]:
     """Run `python benchmark.py --output output args...` in the repo and return the JSON's rows."""
     command = [sys.executable, "benchmark.py", "--output", str(output), *args]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, preexec_fn=die_with_parent
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(output.read_text())["rows"]
 

@@ -1,6 +1,6 @@
 """--distributed: two local processes (CPU devices, gloo collectives, 127.0.0.1) train and evaluate
 the very runs that one process trains; process 0 alone prints and writes; a Ctrl-C on a worker
-stops both; bad setups end in one line and exit 2, never a hang."""
+stops both; bad flags end in one line and exit 2 (an unreachable coordinator is JAX's to report)."""
 
 import csv
 import json
@@ -20,6 +20,7 @@ import pytest
 import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
 import test_sac_pendulum
 
+import benchmark
 import sac_pendulum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +61,7 @@ def start(script: str, flags: list, log: Path, devices: int) -> subprocess.Popen
         stdout=log.with_suffix(".out").open("w"),
         stderr=log.with_suffix(".err").open("w"),
         env=cpu_devices(devices),
+        preexec_fn=benchmark.die_with_parent,  # no worker outlives a killed pytest
     )
 
 
@@ -182,27 +184,6 @@ def test_a_non_finite_loss_stops_every_process_and_process_0_says_so(tmp_path):
     assert len(read_rows(tmp_path / "p0" / "metrics.csv")) >= 2  # a row per run and chunk
 
 
-def test_a_coordinator_nobody_reaches_ends_in_one_line_and_exit_2(tmp_path):
-    """A worker whose process 0 is not there gives up after --coordinator-timeout with one line
-    (jax alone would abort with a C++ stack trace); a process 0 whose worker never comes ends
-    after the same timeout (jax's own abort): neither waits for ever."""
-    began = time.monotonic()
-    alone = []
-    for process in (0, 1):  # each at its own address: neither meets the other
-        flags = ["--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}"]
-        flags += ["--num-processes", "2", "--process-id", str(process)]
-        alone.append(
-            start(
-                "sac_pendulum", [*flags, "--coordinator-timeout", "2"], tmp_path / f"p{process}", 1
-            )
-        )
-    lead, worker = finish(alone, timeout=90)
-    assert lead != 0 and worker == 2 and time.monotonic() - began < 90
-    out, err = output(tmp_path / "p1")
-    assert out == "" and len(err.strip().splitlines()) == 1, err
-    assert "--distributed: process 0 not reached at 127.0.0.1:" in err and "within 2 s" in err
-
-
 def test_runs_that_do_not_divide_over_every_process_s_devices_are_refused(tmp_path):
     """3 seeds on 2 processes of 1 device each: both processes refuse before compiling."""
     pair = start_pair("sac_pendulum", ["--num-seeds", "3"], tmp_path, devices=1)
@@ -229,7 +210,6 @@ def test_runs_that_do_not_divide_over_every_process_s_devices_are_refused(tmp_pa
             ["--distributed", "--coordinator-address", "10.0.0.1:99999"],
             "--coordinator-address must be HOST:PORT",
         ),
-        (["--distributed", "--coordinator-timeout", "0"], "--coordinator-timeout must be > 0"),
     ],
 )
 def test_distributed_flags_are_checked_before_anything_starts(flags, message):

@@ -550,9 +550,11 @@ def test_the_curves_show_every_metric_and_the_policy_in_the_last_panel(finished_
         {name: float(value) for name, value in row.items()}
         for row in csv.DictReader((out / "metrics.csv").open())
     ]
-    plots = ppo.Plots(TINY, ppo.Options(), [{}])
-    plots.update(rows, np.zeros((2, 8, 8, 3), np.uint8))
-    axes = list(plots.axes)
+    from matplotlib.figure import Figure
+
+    figure = Figure()
+    ppo.draw_curves(figure, TINY, [{}], rows, np.zeros((2, 8, 8, 3), np.uint8))
+    axes = list(figure.axes)
     titles = [axis.get_title() for axis in axes[: len(ppo.METRIC_COLUMNS)]]
     assert titles == list(ppo.METRIC_COLUMNS)
     assert len(axes) > len(ppo.METRIC_COLUMNS) and axes[-1].images

@@ -3,7 +3,6 @@ run goes on bit for bit as if it had never stopped (metrics rows and final param
 whatever cannot be resumed is refused in one line with nothing in the folder changed."""
 
 import csv
-import os
 import shutil
 import signal
 import subprocess
@@ -67,17 +66,26 @@ def assert_same_run(resumed: Path, never_stopped: Path) -> None:
 def test_a_run_killed_after_a_periodic_checkpoint_resumes_bit_for_bit(tmp_path, buffer_size, runs):
     flags = [*SAC_FLAGS, "--buffer-size", buffer_size, *runs]
     run("sac_pendulum", [*flags, "--checkpoint-every", "0", "--output-dir", str(tmp_path / "a")])
-    # Every 3 chunks and no final save: what a kill during the 7th chunk leaves, and the 7th
-    # chunk's rows in metrics.csv, which the resume must replace, not repeat.
+    assert not (tmp_path / "a" / "checkpoint.msgpack").exists()  # a finished run keeps none
+    # A checkpoint every 3 chunks, killed (SIGKILL: no handler runs) once the 7th chunk's line is
+    # out: the checkpoint of chunk 6, and maybe the 7th chunk's rows, which the resume replaces.
     killed = tmp_path / "b"
-    periodic = ["--checkpoint-every", "192", "--no-save-model", "--output-dir", str(killed)]
-    run("sac_pendulum", [*flags, *periodic])
-    assert not (killed / "model.msgpack").exists()
-    (killed / "summary.json").unlink()
+    periodic = ["--checkpoint-every", "192", "--output-dir", str(killed)]
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "sac_pendulum.py"), *flags, *periodic],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    for line in process.stdout:
+        if line.startswith("steps 448/448"):
+            process.kill()
+            break
+    assert process.wait(60) == -signal.SIGKILL and not (killed / "summary.json").exists()
     resumed = run("sac_pendulum", ["--resume", str(killed), *QUIET])
     assert "resumed at chunk 6 of 7" in resumed.stdout
     assert_same_run(killed, tmp_path / "a")
-    again = run("sac_pendulum", ["--resume", str(killed / "checkpoint.msgpack")])
+    assert not (killed / "checkpoint.msgpack").exists()
+    again = run("sac_pendulum", ["--resume", str(killed)])
     assert "finished run" in again.stdout and "compiled" not in again.stdout
 
 
@@ -113,7 +121,16 @@ def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path,
 
 def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
     folder = tmp_path / "run"
-    run("sac_pendulum", [*SAC_FLAGS, "--checkpoint-every", "192", "--output-dir", str(folder)])
+    process = subprocess.Popen(  # stopped by SIGTERM after its first chunk: a checkpoint
+        [sys.executable, str(ROOT / "sac_pendulum.py"), *SAC_FLAGS, "--output-dir", str(folder)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    for line in process.stdout:
+        if line.startswith("steps "):
+            process.terminate()
+            break
+    assert process.wait(120) == 143 and (folder / "checkpoint.msgpack").exists()
     other = tmp_path / "other"
     other.mkdir()
     (other / "checkpoint.msgpack").write_bytes((folder / "checkpoint.msgpack").read_bytes()[:5000])
@@ -122,11 +139,11 @@ def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
     before = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")}
     for flags, message in [
         (["--resume", str(tmp_path / "missing")], "(No such file or directory)"),
-        (["--resume", ""], "is not a checkpoint of sac_pendulum"),  # not a fresh run
+        (["--resume", ""], "--resume must be a run folder"),  # not a fresh run
         (["--resume", str(other)], "is not a checkpoint of sac_pendulum"),  # truncated
-        (["--resume", str(tmp_path / "model_only")], "holds parameters only"),
+        (["--resume", str(tmp_path / "model_only")], "holds no train state of this run"),
         (["--resume", str(folder), "--q-lr", "0.1"], "--q-lr is set by the checkpoint"),
-        (["--resume", str(folder), "--output-dir", str(other)], "--resume must be without"),
+        (["--resume", str(folder), "--output-dir", str(other)], "(without --output-dir)"),
     ]:
         result = run("sac_pendulum", flags, check=2)
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, flags
@@ -135,28 +152,31 @@ def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")} == before
 
 
-def test_tensorboard_continues_and_hides_the_killed_runs_later_steps(tmp_path):
-    """The resumed writer starts at the checkpoint's step with a purge_step: TensorBoard hides the
-    events of the first writer from that step on (the 7th chunk, after the last checkpoint)."""
+def test_tensorboard_goes_on_at_the_resumed_runs_env_steps(tmp_path):
+    """A resumed run's writer adds its events at the env steps of the chunks it trains."""
     from test_watch import read_events
 
     folder = tmp_path / "run"
-    flags = [*SAC_FLAGS, "--track", "--checkpoint-every", "192", "--no-save-model"]
-    run("sac_pendulum", [*flags, "--output-dir", str(folder)])
+    flags = [*SAC_FLAGS, "--track", "--no-save-model"]
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "sac_pendulum.py"), *flags, "--output-dir", str(folder)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    for line in process.stdout:
+        if line.startswith("steps 192/448"):  # the third chunk's line: stopped after the 4th
+            process.terminate()
+            break
+    assert process.wait(120) == 143
+    done = len(untimed_rows(folder))
     (events,) = (folder / "tensorboard").iterdir()
     first = {path.name for path in events.iterdir()}
     time.sleep(1)  # a new events file per writer: its name holds the second it was made
     run("sac_pendulum", ["--resume", str(folder), "--track", *QUIET])
     (new,) = [path for path in events.iterdir() if path.name not in first]
-    purge, *later = read_events_file(read_events, new)
-    assert purge.session_log.status == purge.session_log.START and purge.step == 385
-    steps = [
-        event.step
-        for event in later
-        for value in event.summary.value
-        if value.HasField("simple_value")
-    ]
-    assert min(steps) == 448 and max(steps) == 448  # chunk 7 alone, then the evaluation
+    events = read_events_file(read_events, new)
+    steps = sorted({event.step for event in events if event.summary.value})
+    assert steps == [64 * chunk for chunk in range(done + 1, 8)]  # where the first writer stopped
 
 
 def read_events_file(read_events, path: Path) -> list:
@@ -168,14 +188,21 @@ def read_events_file(read_events, path: Path) -> list:
 
 
 def test_distributed_run_resumes_bit_for_bit(tmp_path):
-    """Process 0 writes every run's state; each process restores its own runs."""
+    """Process 0 writes every run's state; each process restores its own runs: a pair stopped by
+    SIGTERM on process 0 and resumed ends as a pair never stopped."""
     import test_distributed
 
-    flags = [*SAC_FLAGS, "--num-seeds", "2", "--checkpoint-every", "192", "--no-save-model"]
-    first = test_distributed.start_pair("sac_pendulum", flags, tmp_path / "first", devices=1)
-    assert test_distributed.finish(first) == [0, 0]
+    flags = [*SAC_FLAGS, "--num-seeds", "2", "--no-save-model"]
+    never = test_distributed.start_pair("sac_pendulum", flags, tmp_path / "never", devices=1)
+    assert test_distributed.finish(never) == [0, 0]
+    pair = test_distributed.start_pair("sac_pendulum", flags, tmp_path / "first", devices=1)
     folder = tmp_path / "first" / "p0"
-    never_stopped = untimed_rows(folder)
+    deadline = time.monotonic() + 240
+    while not (folder / "metrics.csv").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pair[0].terminate()
+    assert test_distributed.finish(pair) == [143, 143]
+    assert (folder / "checkpoint.msgpack").exists()
     cluster = [
         "--distributed",
         "--coordinator-address",
@@ -192,6 +219,5 @@ def test_distributed_run_resumes_bit_for_bit(tmp_path):
         for process in (0, 1)
     ]
     assert test_distributed.finish(again) == [0, 0], test_distributed.output(tmp_path / "again0")
-    assert "resumed at chunk 6 of 7" in test_distributed.output(tmp_path / "again0")[0]
-    assert untimed_rows(folder) == never_stopped
-    assert os.path.exists(folder / "model.msgpack")
+    assert "resumed at chunk " in test_distributed.output(tmp_path / "again0")[0]
+    assert untimed_rows(folder) == untimed_rows(tmp_path / "never" / "p0")
