@@ -809,7 +809,8 @@ def sweep_grid(config: Config) -> list[Point]:
         name, _, listed = entry.partition("=")
         name = name.removeprefix("--").replace("-", "_")
         fields = ", ".join(name.replace("_", "-") for name in SWEEPABLE)
-        require(name in SWEEPABLE, "sweep", f"name one of {fields}", entry)
+        if name not in SWEEPABLE:
+            raise UsageError(f"--sweep must name one of {fields}, got {entry}")
         require(name not in values, "sweep", "one entry per field", entry)
         try:
             values[name] = [float(value) for value in listed.split(",")]
@@ -1101,7 +1102,7 @@ def non_finite(grid: list[Point], metrics: Metrics, new_rows: list[dict], chunk:
     """A line naming the chunk and the first run with a non-finite loss or parameter, or None."""
     losses = np.stack([getattr(metrics, name) for name in LOSS_COLUMNS], axis=1)
     updated = new_rows[0]["updates"] > 0  # before the first update the losses are NaN
-    finite = metrics.params_finite & (np.isfinite(losses).all(axis=1) | ~updated)
+    finite = metrics.params_finite & (np.isfinite(losses).all(axis=1) | (not updated))
     if finite.all():
         return None
     run = int(np.argmin(finite))
@@ -1177,13 +1178,14 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
             for name in ("sps", *METRIC_COLUMNS):
                 writer.add_scalar(name, row[name], row["env_steps"])
         problem = non_finite(grid, metrics, new_rows, chunk + 1)
+        if is_lead():
+            write_atomic(out / "metrics.csv", csv_text(rows))
         if problem:  # every process has every run's metrics: they all stop here
-            print(f"{problem} (the files in {out} hold the chunks so far)", file=sys.stderr)
+            if is_lead():
+                print(f"{problem} (the files in {out} hold the chunks so far)", file=sys.stderr)
+            sys.exit(1)
         if not is_lead():
             continue  # process 0 writes and draws
-        write_atomic(out / "metrics.csv", csv_text(rows))
-        if problem:
-            sys.exit(1)
         if saved_state is not None:  # after the chunk's rows: a resume goes on from them
             resume = {"chunk": chunk + 1, "rows": json.dumps(rows)}
             resume["state"] = flax.serialization.to_state_dict(saved_state)
@@ -1254,12 +1256,13 @@ def main(config: Config, options: Options) -> None:
                 raise UsageError(f"--resume {path} holds no train state of this run") from None
         out = Path(options.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
         out = path.parent if options.resume else out
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise UsageError(f"--output-dir {out}: cannot make it ({error.strerror})") from None
-        if is_lead() and any(out.iterdir()) and not (options.overwrite or options.resume):
-            raise UsageError(f"--output-dir {out} already holds files; --overwrite writes there")
+        if is_lead():  # process 0 writes every output
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise UsageError(f"--output-dir {out}: cannot make it ({error.strerror})") from None
+            if any(out.iterdir()) and not (options.overwrite or options.resume):
+                raise UsageError(f"--output-dir {out} holds files: --overwrite writes there")
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)

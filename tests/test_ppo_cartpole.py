@@ -365,6 +365,8 @@ def test_help_and_bad_flags_from_the_command_line():
         "--no-save-model",
         "--no-capture-gif",
         "--no-plot",
+        "--env.masscart",  # every CartPole constant sac_cartpole has (but its task's own)
+        "--env.force-mag",
         "--eval-episodes",
         "--log-every",
         "--load-model",

@@ -463,6 +463,7 @@ def test_help_lists_every_option():
         "--env.max-steps-without-food",
     ]:
         assert flag in result.stdout, flag
+    assert "shaped_reward" not in result.stdout  # a function's name is no help
 
 
 def test_bad_flags_from_the_command_line():

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import envs
 import sac_pendulum as sac
 
 SCRIPT = Path(__file__).resolve().parents[1] / "sac_pendulum.py"
@@ -337,6 +338,8 @@ def test_help_lists_every_option():
         (["--total-timesteps", "10"], "--total-timesteps"),
         (["--learning-starts", "40000"], "--learning-starts"),
         (["--env.dt", "0"], "--env.dt"),
+        (["--seed", "-1"], "--seed must be in [0, 2147483647], got -1"),
+        (["--num-seeds", "4", "--seed", "2147483645"], "--seed must be in [0, 2147483644]"),
         (["--eval-only"], "--load-model"),
         (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
     ],
@@ -705,6 +708,34 @@ def test_policy_and_q_rates_are_separate_and_no_autotune_fixes_alpha():
     )
     learning = np.isfinite(metrics.alpha)
     np.testing.assert_allclose(metrics.alpha[learning], 0.3, rtol=1e-6)
+
+
+class FloatBox:
+    """gymnax's spaces.Box keeps its bounds as given: Python floats for gymnax's Pendulum-v1."""
+
+    def __init__(self, low: float, high: float, shape: tuple[int, ...]):
+        self.low = low
+        self.high = high
+        self.shape = shape
+
+
+class FloatBoundsPendulum(envs.Pendulum):
+    def action_space(self, params=None) -> FloatBox:
+        return FloatBox(-2.0, 2.0, (1,))
+
+
+def test_a_copy_runs_on_an_env_whose_box_has_float_bounds(monkeypatch):
+    """make_env returning gymnax.make("Pendulum-v1") must just work: the same run as ours."""
+    _, reference = jax.jit(sac.make_train(TINY)[2])(jax.random.key(0))
+    monkeypatch.setattr(
+        sac, "make_env", lambda config: (FloatBoundsPendulum(), sac.make_env(config)[1])
+    )
+    _, metrics = jax.jit(sac.make_train(TINY)[2])(jax.random.key(0))
+    chex.assert_trees_all_close(metrics, reference)
+    init = sac.make_train(TINY)[0]
+    params = sac.trained_params(jax.jit(init)(jax.random.key(0)))
+    returns = jax.jit(sac.make_evaluate(TINY, 2))(params, jax.random.key(1))["episode_return"]
+    assert returns.shape == (2,) and np.isfinite(returns).all()
 
 
 # ---- learning ----
