@@ -748,6 +748,10 @@ def solved_return(config: Config) -> float:
     return 45.0  # our docs' bar, a greedy mean score >= 45 on 10x10 (return: -1 per death)
 
 
+def command_line_defaults(config: Config) -> Config:
+    return Config()  # what the flags override: a field that differs from it was given
+
+
 # ---- options and validation ----
 
 
@@ -884,7 +888,8 @@ def sweep_grid(config: Config) -> list[Point]:
         name, _, listed = entry.partition("=")
         name = name.removeprefix("--").replace("-", "_")
         fields = ", ".join(name.replace("_", "-") for name in SWEEPABLE)
-        require(name in SWEEPABLE, "sweep", f"name one of {fields}", entry)
+        if name not in SWEEPABLE:
+            raise UsageError(f"--sweep must name one of {fields}, got {entry}")
         require(name not in values, "sweep", "one entry per field", entry)
         try:
             values[name] = [float(value) for value in listed.split(",")]
@@ -1062,7 +1067,8 @@ def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict
     if payload["script"] != SCRIPT:
         found = f"a {payload['script']} checkpoint for {payload['env']}"
         raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
-    given = {name: value for name, value in flat(config).items() if value != flat(Config())[name]}
+    defaults = flat(command_line_defaults(config))
+    given = {name: value for name, value in flat(config).items() if value != defaults[name]}
     physics = {name: value for name, value in given.items() if name.startswith("env.")}
     physics = physics if flag == "--load-model" else {}
     for name, value in given.items():
@@ -1073,7 +1079,8 @@ def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict
     saved = with_values(saved, physics)
     env, env_params = make_env(saved)
     if spaces != (env.observation_space(env_params).shape, env.action_space(env_params).shape):
-        raise UsageError("--env.* flags with --load-model must keep the obs and action shapes")
+        flags = " ".join(f"--{name.replace('_', '-')}" for name in physics)
+        raise UsageError(f"{flags} with --load-model must keep the obs and action shapes")
     validate(saved)  # the checkpoint's values meet this script's ranges too
     return saved, payload
 
@@ -1176,7 +1183,7 @@ def non_finite(grid: list[Point], metrics: Metrics, new_rows: list[dict], chunk:
     """A line naming the chunk and the first run with a non-finite loss or parameter, or None."""
     losses = np.stack([getattr(metrics, name) for name in LOSS_COLUMNS], axis=1)
     updated = new_rows[0]["updates"] > 0  # before the first update the losses are NaN
-    finite = metrics.params_finite & (np.isfinite(losses).all(axis=1) | ~updated)
+    finite = metrics.params_finite & (np.isfinite(losses).all(axis=1) | (not updated))
     if finite.all():
         return None
     run = int(np.argmin(finite))
@@ -1252,28 +1259,26 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
             for name in ("sps", *METRIC_COLUMNS):
                 writer.add_scalar(name, row[name], row["env_steps"])
         problem = non_finite(grid, metrics, new_rows, chunk + 1)
+        if is_lead():  # process 0 writes and draws
+            write_atomic(out / "metrics.csv", csv_text(rows))
         if problem:  # every process has every run's metrics: they all stop here
-            print(f"{problem} (the files in {out} hold the chunks so far)", file=sys.stderr)
-        if not is_lead():
-            continue  # process 0 writes and draws
-        write_atomic(out / "metrics.csv", csv_text(rows))
-        if problem:
+            if is_lead():
+                print(f"{problem} (the files in {out} hold the chunks so far)", file=sys.stderr)
             sys.exit(1)
-        if saved_state is not None:  # after the chunk's rows: a resume goes on from them
+        if is_lead() and saved_state is not None:  # after the chunk's rows: a resume goes on
             resume = {"chunk": chunk + 1, "rows": json.dumps(rows)}
             resume["state"] = flax.serialization.to_state_dict(saved_state)
             data = checkpoint(config, grid, trained_params(saved_state), resume)
             write_atomic(out / "checkpoint.msgpack", data)
         due = finished or stopped or 0 < options.plot_every <= time.perf_counter() - drawn
-        plot_due = options.plot and due
-        if options.live or plot_due:
+        if is_lead() and (options.live or options.plot and due):
             first = with_values(config, grid[0])
             frames = (
                 render_policy(first, live_params, first_run(keys.render)) if options.live else None
             )
             figure = figure or new_figure(options.live)
             draw_curves(figure, config, grid, rows, frames)
-        if plot_due:
+        if is_lead() and options.plot and due:
             save_figure(figure, out / "curves.png")
             drawn = time.perf_counter()
         if stopped:
@@ -1301,6 +1306,8 @@ def main(config: Config, options: Options) -> None:
         compile_cache = enable_compile_cache(options)  # before anything starts JAX's backend
         check_options(options)
         validate(config)
+        if options.distributed:  # before anything starts JAX's backend (load_checkpoint does)
+            start_distributed(options)
         path = Path(options.resume or options.load_model or "")  # a run folder, or its file
         model = path / "model.msgpack" if options.eval_only else path
         path = model if model.is_file() else path / "checkpoint.msgpack" if path.is_dir() else path
@@ -1311,8 +1318,6 @@ def main(config: Config, options: Options) -> None:
         if options.resume or options.eval_only:
             flag = "--resume" if options.resume else "--load-model"
             config, saved = load_checkpoint(path, config, flag)
-        if options.distributed:
-            start_distributed(options)
         grid = sweep_grid(config)
         num_runs = len(grid) * config.num_seeds
         devices = jax.devices()  # of every process: the runs are sharded over all of them
@@ -1329,12 +1334,13 @@ def main(config: Config, options: Options) -> None:
                 raise UsageError(f"--resume {path} holds no train state of this run") from None
         out = Path(options.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
         out = path.parent if options.resume else out
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise UsageError(f"--output-dir {out}: cannot make it ({error.strerror})") from None
-        if is_lead() and any(out.iterdir()) and not (options.overwrite or options.resume):
-            raise UsageError(f"--output-dir {out} already holds files; --overwrite writes there")
+        if is_lead():  # process 0 writes every output
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise UsageError(f"--output-dir {out}: cannot make it ({error.strerror})") from None
+            if any(out.iterdir()) and not (options.overwrite or options.resume):
+                raise UsageError(f"--output-dir {out} holds files: --overwrite writes there")
     except UsageError as error:
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -675,6 +675,10 @@ def solved_return(config: Config) -> float:
     return -200.0  # the bar our docs and tests call solved (gymnasium sets none for Pendulum)
 
 
+def command_line_defaults(config: Config) -> Config:
+    return Config()  # what the flags override: a field that differs from it was given
+
+
 # ---- options and validation ----
 
 
@@ -988,7 +992,8 @@ def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict
     if payload["script"] != SCRIPT:
         found = f"a {payload['script']} checkpoint for {payload['env']}"
         raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
-    given = {name: value for name, value in flat(config).items() if value != flat(Config())[name]}
+    defaults = flat(command_line_defaults(config))
+    given = {name: value for name, value in flat(config).items() if value != defaults[name]}
     physics = {name: value for name, value in given.items() if name.startswith("env.")}
     physics = physics if flag == "--load-model" else {}
     for name, value in given.items():
@@ -999,7 +1004,8 @@ def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict
     saved = with_values(saved, physics)
     env, env_params = make_env(saved)
     if spaces != (env.observation_space(env_params).shape, env.action_space(env_params).shape):
-        raise UsageError("--env.* flags with --load-model must keep the obs and action shapes")
+        flags = " ".join(f"--{name.replace('_', '-')}" for name in physics)
+        raise UsageError(f"{flags} with --load-model must keep the obs and action shapes")
     validate(saved)  # the checkpoint's values meet this script's ranges too
     return saved, payload
 
@@ -1178,29 +1184,26 @@ def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tupl
             for name in ("sps", *METRIC_COLUMNS):
                 writer.add_scalar(name, row[name], row["env_steps"])
         problem = non_finite(grid, metrics, new_rows, chunk + 1)
-        if is_lead():
+        if is_lead():  # process 0 writes and draws
             write_atomic(out / "metrics.csv", csv_text(rows))
         if problem:  # every process has every run's metrics: they all stop here
             if is_lead():
                 print(f"{problem} (the files in {out} hold the chunks so far)", file=sys.stderr)
             sys.exit(1)
-        if not is_lead():
-            continue  # process 0 writes and draws
-        if saved_state is not None:  # after the chunk's rows: a resume goes on from them
+        if is_lead() and saved_state is not None:  # after the chunk's rows: a resume goes on
             resume = {"chunk": chunk + 1, "rows": json.dumps(rows)}
             resume["state"] = flax.serialization.to_state_dict(saved_state)
             data = checkpoint(config, grid, trained_params(saved_state), resume)
             write_atomic(out / "checkpoint.msgpack", data)
         due = finished or stopped or 0 < options.plot_every <= time.perf_counter() - drawn
-        plot_due = options.plot and due
-        if options.live or plot_due:
+        if is_lead() and (options.live or options.plot and due):
             first = with_values(config, grid[0])
             frames = (
                 render_policy(first, live_params, first_run(keys.render)) if options.live else None
             )
             figure = figure or new_figure(options.live)
             draw_curves(figure, config, grid, rows, frames)
-        if plot_due:
+        if is_lead() and options.plot and due:
             save_figure(figure, out / "curves.png")
             drawn = time.perf_counter()
         if stopped:
@@ -1228,6 +1231,8 @@ def main(config: Config, options: Options) -> None:
         compile_cache = enable_compile_cache(options)  # before anything starts JAX's backend
         check_options(options)
         validate(config)
+        if options.distributed:  # before anything starts JAX's backend (load_checkpoint does)
+            start_distributed(options)
         path = Path(options.resume or options.load_model or "")  # a run folder, or its file
         model = path / "model.msgpack" if options.eval_only else path
         path = model if model.is_file() else path / "checkpoint.msgpack" if path.is_dir() else path
@@ -1238,8 +1243,6 @@ def main(config: Config, options: Options) -> None:
         if options.resume or options.eval_only:
             flag = "--resume" if options.resume else "--load-model"
             config, saved = load_checkpoint(path, config, flag)
-        if options.distributed:
-            start_distributed(options)
         grid = sweep_grid(config)
         num_runs = len(grid) * config.num_seeds
         devices = jax.devices()  # of every process: the runs are sharded over all of them

