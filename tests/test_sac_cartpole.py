@@ -467,10 +467,7 @@ def test_eval_only_refuses_other_checkpoints_and_overridden_flags(
         (["--load-model", str(other)], "sac_pendulum checkpoint for Pendulum-v1"),
         (["--load-model", str(garbage)], "is not a checkpoint of sac_cartpole"),
         (["--load-model", str(model), "--hidden-sizes", "64", "64"], "--hidden-sizes"),
-        (
-            ["--load-model", str(model), "--env.force-mag", "20"],
-            "--env.force-mag is set by the checkpoint",
-        ),
+        (["--load-model", str(model), "--gamma", "0.5"], "--gamma is set by the checkpoint"),
         (["--load-model", str(balance), "--env-id", "CartPoleSwingup"], "--env-id"),
     ]:
         with pytest.raises(SystemExit) as exit_:
