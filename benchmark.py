@@ -16,14 +16,13 @@ Rows merge into --output (docs/benchmarks.json) by ROW_KEY; envs, train, seeds d
 import argparse
 import collections
 import csv
-import ctypes
 import dataclasses
 import datetime
 import itertools
 import json
 import os
 import shlex
-import signal
+import shutil
 import socket
 import statistics
 import subprocess
@@ -332,11 +331,11 @@ def run_seeds(args: argparse.Namespace) -> list[dict]:
 
 
 # ---- the scripts' command lines, in fresh processes ----
-def die_with_parent() -> None:
-    """In a child process: end it with a SIGTERM when its parent dies (Linux's PDEATHSIG), so that
-    no --distributed worker outlives a killed benchmark.py, or the pytest that started it."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+def die_with_parent(command: list[str]) -> list[str]:
+    """`command` run so that it gets a SIGTERM when its parent dies (setpriv, Linux): no
+    --distributed worker outlives a killed benchmark.py, or the pytest that started it."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", *command] if setpriv else command
 
 
 def run_script(script, cache_dir, flags, processes=1, environment=None, tree=REPO) -> dict:
@@ -355,8 +354,8 @@ def run_script(script, cache_dir, flags, processes=1, environment=None, tree=REP
         environment = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir, **(environment or {})}
         environment["PYTHONUNBUFFERED"] = "1"
         options = dict(stderr=subprocess.STDOUT, text=True, env=environment, cwd=tree)
-        options["preexec_fn"] = die_with_parent
         start = time.perf_counter()
+        commands = [die_with_parent(command) for command in commands]
         running = [subprocess.Popen(commands[0], stdout=subprocess.PIPE, **options)]
         for command in commands[1:]:  # to a file: a pipe nobody reads could fill and block them
             running.append(subprocess.Popen(command, stdout=workers, **options))
@@ -473,8 +472,8 @@ def run_versus(args: argparse.Namespace) -> list[dict]:
                 output = Path(temporary, f"{name}-{script}.json")  # each round's rows replace
                 command = [sys.executable, "benchmark.py", "--output", str(output), "train"]
                 command += ["--scripts", script, "--repeats", "5", "--num-envs"]
-                command += map(str, sizes[script])
-                subprocess.run(command, check=True, cwd=trees[name], preexec_fn=die_with_parent)
+                command = die_with_parent([*command, *map(str, sizes[script])])
+                subprocess.run(command, check=True, cwd=trees[name])
                 for row in json.loads(output.read_text())["rows"]:
                     speeds[name, script, row["num_envs"]].append(row["steps_per_second"])
                 warm_cache = os.path.join(temporary, name, script)

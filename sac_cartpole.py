@@ -1156,7 +1156,16 @@ def non_finite(grid: list[Point], metrics: Metrics, new_rows: list[dict], chunk:
     return f"{SCRIPT}: non-finite loss or parameter in {where}; stopped"
 
 
-def train_and_log(config, options, grid, out, keys, values, saved, stop) -> tuple[TrainState, dict]:
+def train_and_log(
+    config: Config,
+    options: Options,
+    grid: list[Point],
+    out: Path,
+    keys: SeedKeys,
+    values: Point,
+    saved: dict | None,
+    stop: list[int],
+) -> tuple[TrainState, dict]:
     """Every run (grid point x seed) in one program: the jitted, vmapped run_chunk once per chunk
     with the train state donated (updated in place, never copied). The next chunk is dispatched
     before this one is logged and drawn, so that the device does not wait for the host."""

@@ -18,9 +18,7 @@ SCRIPT_FLAGS = ["--no-capture-gif", "--no-plot", "--no-save-model"]
 def benchmark(output: Path, *args: str) -> list[dict]:
     """Run `python benchmark.py --output output args...` in the repo and return the JSON's rows."""
     command = [sys.executable, "benchmark.py", "--output", str(output), *args]
-    done = subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, preexec_fn=die_with_parent
-    )
+    done = subprocess.run(die_with_parent(command), cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(output.read_text())["rows"]
 

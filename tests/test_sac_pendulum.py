@@ -727,8 +727,9 @@ class FloatBoundsPendulum(envs.Pendulum):
 def test_a_copy_runs_on_an_env_whose_box_has_float_bounds(monkeypatch):
     """make_env returning gymnax.make("Pendulum-v1") must just work: the same run as ours."""
     _, reference = jax.jit(sac.make_train(TINY)[2])(jax.random.key(0))
+    make_env = sac.make_env
     monkeypatch.setattr(
-        sac, "make_env", lambda config: (FloatBoundsPendulum(), sac.make_env(config)[1])
+        sac, "make_env", lambda config: (FloatBoundsPendulum(), make_env(config)[1])
     )
     _, metrics = jax.jit(sac.make_train(TINY)[2])(jax.random.key(0))
     chex.assert_trees_all_close(metrics, reference)
