@@ -9,7 +9,6 @@
     python benchmark.py sweep             # a --sweep grid in one process vs one process per run
     python benchmark.py distributed       # the same runs in one process vs two (--distributed)
     python benchmark.py all --quick       # envs, train, seeds, solve and launch, short
-
 Rows merge into --output (docs/benchmarks.json) by ROW_KEY; envs, train, seeds draw a PNG too.
 """
 
@@ -47,6 +46,8 @@ SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
 LAUNCH_SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole"]  # ppo_snake's run: minutes
 SCRIPT_FLAGS = ["--no-capture-gif", "--no-plot", "--no-save-model"]
 STEPS_PER_ENV = {"sac": 64, "ppo": 512}  # per timed chunk, ~1 s of CPU work (--quick: a 4th)
+# A command's prefix: no --distributed worker outlives a killed benchmark.py (setpriv, Linux).
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
 
 
 def device_label() -> str:
@@ -331,19 +332,12 @@ def run_seeds(args: argparse.Namespace) -> list[dict]:
 
 
 # ---- the scripts' command lines, in fresh processes ----
-def die_with_parent(command: list[str]) -> list[str]:
-    """`command` run so that it gets a SIGTERM when its parent dies (setpriv, Linux): no
-    --distributed worker outlives a killed benchmark.py, or the pytest that started it."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", *command] if setpriv else command
-
-
 def run_script(script, cache_dir, flags, processes=1, environment=None, tree=REPO) -> dict:
-    """summary.json of `script.py --output-dir DIR flags`, its metrics.csv rows, and the seconds
-    from launch to its first progress line and to exit; several `processes`: --distributed."""
+    """summary.json, metrics.csv rows, seconds to the first progress line and to exit of a run."""
     with tempfile.TemporaryDirectory() as temporary, tempfile.TemporaryFile("w+") as workers:
         out = Path(temporary, "run")  # a new folder: the scripts refuse a non-empty one
-        commands = [[sys.executable, f"{script}.py", "--output-dir", str(out), *flags]]
+        command = [sys.executable, f"{script}.py", "--output-dir", str(out), *flags]
+        commands = [[*DIE_WITH_PARENT, *command]]
         if processes > 1:
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
@@ -355,7 +349,6 @@ def run_script(script, cache_dir, flags, processes=1, environment=None, tree=REP
         environment["PYTHONUNBUFFERED"] = "1"
         options = dict(stderr=subprocess.STDOUT, text=True, env=environment, cwd=tree)
         start = time.perf_counter()
-        commands = [die_with_parent(command) for command in commands]
         running = [subprocess.Popen(commands[0], stdout=subprocess.PIPE, **options)]
         for command in commands[1:]:  # to a file: a pipe nobody reads could fill and block them
             running.append(subprocess.Popen(command, stdout=workers, **options))
@@ -468,12 +461,11 @@ def run_versus(args: argparse.Namespace) -> list[dict]:
             run_script(script, os.path.join(temporary, name, script), args.flags, tree=trees[name])
         for _ in range(args.runs):
             for name, script in launches:
-                # The tree's own `benchmark.py train` (its own code), its flags as they were.
-                output = Path(temporary, f"{name}-{script}.json")  # each round's rows replace
-                command = [sys.executable, "benchmark.py", "--output", str(output), "train"]
-                command += ["--scripts", script, "--repeats", "5", "--num-envs"]
-                command = die_with_parent([*command, *map(str, sizes[script])])
-                subprocess.run(command, check=True, cwd=trees[name])
+                output = Path(temporary, f"{name}-{script}.json")  # the tree's own benchmark
+                command = [*DIE_WITH_PARENT, sys.executable, "benchmark.py", "train"]
+                command += ["--output", str(output), "--scripts", script, "--repeats", "5"]
+                command += ["--num-envs"]
+                subprocess.run([*command, *map(str, sizes[script])], check=True, cwd=trees[name])
                 for row in json.loads(output.read_text())["rows"]:
                     speeds[name, script, row["num_envs"]].append(row["steps_per_second"])
                 warm_cache = os.path.join(temporary, name, script)
@@ -526,8 +518,7 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
     row["sweep_final_returns"] = [round(value, 2) for value in sweep["final_returns"]]
     returns = [value for run in singles for value in run["final_returns"]]
     row["single_final_returns"] = [round(value, 2) for value in returns]
-    # Equal programs up to the last bits, which RL amplifies over thousands of updates: the
-    # returns are recorded, not compared (tests/test_sweeps.py checks a short run's equality).
+    # Recorded, not compared: RL amplifies the last bits (tests/test_sweeps.py compares short runs)
     pairs = zip(sweep["final_returns"], returns, strict=True)
     row["median_return_difference"] = round(statistics.median(abs(a - b) for a, b in pairs), 3)
     return save(args, [report(row)])

@@ -7,9 +7,12 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from benchmark import die_with_parent  # no script outlives a killed pytest
+import pytest
+
+from benchmark import DIE_WITH_PARENT  # no script outlives a killed pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT_FLAGS = ["--no-capture-gif", "--no-plot", "--no-save-model"]
@@ -17,8 +20,8 @@ SCRIPT_FLAGS = ["--no-capture-gif", "--no-plot", "--no-save-model"]
 
 def benchmark(output: Path, *args: str) -> list[dict]:
     """Run `python benchmark.py --output output args...` in the repo and return the JSON's rows."""
-    command = [sys.executable, "benchmark.py", "--output", str(output), *args]
-    done = subprocess.run(die_with_parent(command), cwd=REPO, capture_output=True, text=True)
+    command = [*DIE_WITH_PARENT, sys.executable, "benchmark.py", "--output", str(output), *args]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(output.read_text())["rows"]
 
@@ -205,3 +208,28 @@ def test_distributed_times_one_process_against_two(tmp_path: Path) -> None:
     assert row["one_process_seconds"] > 0 and row["distributed_seconds"] > 0
     assert row["median_return_difference"] >= 0
     check_stamped(rows)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (Linux's util-linux)")
+def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
+    """A benchmark (or a pytest) that is killed leaves no script running behind it."""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; from benchmark import DIE_WITH_PARENT\n"
+            "child = subprocess.Popen([*DIE_WITH_PARENT, 'sleep', '300'])\n"
+            "print(child.pid, flush=True); time.sleep(300)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    state = Path(f"/proc/{child}/stat")
+    assert not state.exists() or state.read_text().split()[2] == "Z"  # gone (or a zombie)

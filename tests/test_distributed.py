@@ -57,7 +57,7 @@ def start(script: str, flags: list, log: Path, devices: int) -> subprocess.Popen
     """The script in a subprocess, its stdout and stderr in log.out and log.err (files: a full
     pipe would block a process that its partner then waits for)."""
     return subprocess.Popen(
-        benchmark.die_with_parent([sys.executable, str(ROOT / f"{script}.py"), *flags]),
+        [*benchmark.DIE_WITH_PARENT, sys.executable, str(ROOT / f"{script}.py"), *flags],
         stdout=log.with_suffix(".out").open("w"),
         stderr=log.with_suffix(".err").open("w"),
         env=cpu_devices(devices),
