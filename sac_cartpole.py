@@ -1275,6 +1275,7 @@ def train_and_log(
 
 
 def main(config: Config, options: Options) -> None:
+    started = time.time()  # the files written from here on are this run's
     try:
         compile_cache = enable_compile_cache(options)  # before anything starts JAX's backend
         check_options(options)
@@ -1320,7 +1321,6 @@ def main(config: Config, options: Options) -> None:
     if not is_lead():
         print(f"{SCRIPT}: process {jax.process_index()}, a worker; process 0 writes", flush=True)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # process 0 speaks
-    started = time.time()
     stop = [0]  # a Ctrl-C or SIGTERM once training runs: it ends with the run's outputs
     where = (
         f"{len(devices)} device(s) ({devices[0].device_kind}), {jax.process_count()} process(es)"
