@@ -1142,7 +1142,7 @@ def train_and_log(
             break
     for writer in writers:
         writer.close()
-    train_seconds = time.perf_counter() - start
+    train_seconds = rows[-1]["wall_seconds"]  # at the last chunk's end, before the last drawing
     return state, {
         "train_seconds": train_seconds,
         "compile_seconds": compile_seconds,
