@@ -1007,7 +1007,8 @@ def draw_curves(figure: Any, config: Config, grid: list[Point], rows: list[dict]
         values = np.ma.masked_invalid([row[name] for row in rows])  # NaN: no episode ended
         by_point = values.reshape(len(steps), len(grid), -1).swapaxes(0, 1)
         for point, runs in zip(grid, by_point, strict=True):
-            line = axis.plot(steps, runs.mean(axis=1), label=describe(point) or "mean")[0]
+            seeds = f"mean of {runs.shape[1]} seeds" if runs.shape[1] > 1 else f"seed {config.seed}"
+            line = axis.plot(steps, runs.mean(axis=1), label=describe(point) or seeds)[0]
             band = "min-max over seeds" if point is grid[0] and runs.shape[1] > 1 else None
             low, high = runs.min(axis=1), runs.max(axis=1)
             axis.fill_between(steps, low, high, color=line.get_color(), alpha=0.25, label=band)

@@ -677,7 +677,7 @@ def test_the_curves_label_what_they_show_and_the_gif_says_what_it_shows(finished
     assert figure.get_suptitle() == "sac_pendulum on Pendulum-v1: 2 seeds"
     assert [axis.get_legend() for axis in figure.axes] == [None] * len(figure.axes)
     labels = [text.get_text() for text in figure.legends[0].get_texts()]  # one, below the panels
-    assert labels == ["mean", "min-max over seeds", "solved (-200)"]
+    assert labels == ["mean of 2 seeds", "min-max over seeds", "solved (-200)"]
     ticks = figure.axes[0].xaxis.get_major_formatter().format_ticks([100_000, 1_200_000])
     assert ticks == ["100k", "1.2M"]  # short labels: long numbers collided on short runs
     caption = np.asarray(Image.open(out / "policy.gif").convert("L"))[:16]
