@@ -749,9 +749,10 @@ def check_options(options: Options) -> None:
     require(options.checkpoint_every >= 0, "checkpoint_every", ">= 0", options.checkpoint_every)
     resume_ok = options.resume is None or bool(options.resume) and not options.output_dir
     require(resume_ok, "resume", "a run folder (without --output-dir)", repr(options.resume))
+    if options.eval_only != (options.load_model is not None):
+        raise UsageError("--eval-only and --load-model PATH go together")
     alone = options.resume is None or not options.eval_only
-    if options.eval_only != (options.load_model is not None) or not alone:
-        raise UsageError("--eval-only and --load-model PATH go together, without --resume")
+    require(alone, "resume", "without --eval-only (it trains on)", options.resume)
     cluster = (options.coordinator_address, options.num_processes, options.process_id)
     if not options.distributed and cluster != (None, None, None):
         raise UsageError("--coordinator-address, --num-processes, --process-id need --distributed")
