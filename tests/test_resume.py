@@ -36,6 +36,19 @@ def run(script: str, flags: list, check: int | None = 0) -> subprocess.Completed
     return result
 
 
+def signal_at(flags: list, line: str, signum: int) -> int:
+    """sac_pendulum.py with `flags`, sent `signum` once it prints a line starting with `line`;
+    its exit status."""
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "sac_pendulum.py"), *flags], stdout=subprocess.PIPE, text=True
+    )
+    for printed in process.stdout:
+        if printed.startswith(line):
+            process.send_signal(signum)
+            break
+    return process.wait(120)
+
+
 def untimed_rows(folder: Path) -> list[dict]:
     with (folder / "metrics.csv").open() as file:
         return [
@@ -71,16 +84,8 @@ def test_a_run_killed_after_a_periodic_checkpoint_resumes_bit_for_bit(tmp_path, 
     # out: the checkpoint of chunk 6, and maybe the 7th chunk's rows, which the resume replaces.
     killed = tmp_path / "b"
     periodic = ["--checkpoint-every", "192", "--output-dir", str(killed)]
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "sac_pendulum.py"), *flags, *periodic],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    for line in process.stdout:
-        if line.startswith("steps 448/448"):
-            process.kill()
-            break
-    assert process.wait(60) == -signal.SIGKILL and not (killed / "summary.json").exists()
+    status = signal_at([*flags, *periodic], "steps 448/448", signal.SIGKILL)
+    assert status == -signal.SIGKILL and not (killed / "summary.json").exists()
     resumed = run("sac_pendulum", ["--resume", str(killed), *QUIET])
     assert "resumed at chunk 6 of 7" in resumed.stdout
     assert_same_run(killed, tmp_path / "a")
@@ -121,16 +126,9 @@ def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path,
 
 def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
     folder = tmp_path / "run"
-    process = subprocess.Popen(  # stopped by SIGTERM after its first chunk: a checkpoint
-        [sys.executable, str(ROOT / "sac_pendulum.py"), *SAC_FLAGS, "--output-dir", str(folder)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    for line in process.stdout:
-        if line.startswith("steps "):
-            process.terminate()
-            break
-    assert process.wait(120) == 143 and (folder / "checkpoint.msgpack").exists()
+    flags = [*SAC_FLAGS, "--output-dir", str(folder)]  # stopped by SIGTERM: a checkpoint
+    assert signal_at(flags, "steps ", signal.SIGTERM) == 143
+    assert (folder / "checkpoint.msgpack").exists()
     other = tmp_path / "other"
     other.mkdir()
     (other / "checkpoint.msgpack").write_bytes((folder / "checkpoint.msgpack").read_bytes()[:5000])
@@ -158,16 +156,8 @@ def test_tensorboard_goes_on_at_the_resumed_runs_env_steps(tmp_path):
 
     folder = tmp_path / "run"
     flags = [*SAC_FLAGS, "--track", "--no-save-model"]
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "sac_pendulum.py"), *flags, "--output-dir", str(folder)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    for line in process.stdout:
-        if line.startswith("steps 192/448"):  # the third chunk's line: stopped after the 4th
-            process.terminate()
-            break
-    assert process.wait(120) == 143
+    output = [*flags, "--output-dir", str(folder)]
+    assert signal_at(output, "steps 192/448", signal.SIGTERM) == 143  # the 3rd chunk's line
     done = len(untimed_rows(folder))
     (events,) = (folder / "tensorboard").iterdir()
     first = {path.name for path in events.iterdir()}
