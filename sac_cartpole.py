@@ -1285,8 +1285,9 @@ def main(config: Config, options: Options) -> None:
         if options.distributed:  # before anything starts JAX's backend (load_checkpoint does)
             start_distributed(options)
         path = Path(options.resume or options.load_model or "")  # a run folder, or its file
-        model = path / "model.msgpack" if options.eval_only else path
-        path = model if model.is_file() else path / "checkpoint.msgpack" if path.is_dir() else path
+        if path.is_dir():  # --load-model: its model.msgpack if any; --resume: its checkpoint
+            model = path / "model.msgpack"
+            path = model if options.eval_only and model.is_file() else path / "checkpoint.msgpack"
         if options.resume and not path.exists() and (path.parent / "summary.json").exists():
             print(f"{SCRIPT}: {path.parent} holds a finished run; nothing to resume")
             sys.exit(0)  # (its checkpoint was removed when it finished)
@@ -1304,10 +1305,12 @@ def main(config: Config, options: Options) -> None:
         if options.resume:  # the saved train state, checked against the layout init makes
             layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys.train)
             try:
-                saved["state"] = flax.serialization.from_state_dict(layout, saved["state"])
-                assert jax.tree.map(np.shape, saved["state"]) == jax.tree.map(np.shape, layout)
-            except (KeyError, ValueError, TypeError, AssertionError):
-                raise UsageError(f"--resume {path} holds no train state of this run") from None
+                state = flax.serialization.from_state_dict(layout, saved["state"])
+            except (KeyError, ValueError, TypeError):
+                state = None
+            if state is None or jax.tree.map(np.shape, state) != jax.tree.map(np.shape, layout):
+                raise UsageError(f"--resume {path} holds no train state of this run")
+            saved["state"] = state
         out = Path(options.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
         out = path.parent if options.resume else out
         if is_lead():  # process 0 writes every output
