@@ -487,6 +487,7 @@ class SnakeState:
     length: chex.Array  # int32
     steps_since_food: chex.Array  # int32
     time: chex.Array  # int32
+    mirrored: chex.Array  # bool: this episode's egocentric view is mirrored left-right
 
 
 @struct.dataclass
@@ -513,7 +514,16 @@ class Snake(Environment):
     allowed. +1 per food (the snake grows by one), -1 on death; the episode ends on a wall or self
     collision, or on a full board (a win), all terminated; it is truncated after
     `max_steps_without_food` steps without eating. Food appears uniformly on a free cell.
-    Observation float32[grid, grid, 3]: head, body recency (head 1 .. tail 1/length), food."""
+    Observation float32[grid, grid, 3]: head, body recency (head 1 .. tail 1/length), food.
+
+    `Snake(egocentric=True)`: the view turns with the snake. The board is rotated so that the
+    heading points up and mirrored left-right in a random half of the episodes, and the three
+    moves are relative to the heading: 0 left, 1 straight, 2 right, as seen in the view (in a
+    mirrored episode the view's left is the board's right). Each episode starts with a uniform
+    heading. A policy then learns each situation once, not once per rotation and reflection."""
+
+    def __init__(self, egocentric: bool = False):
+        self.egocentric = egocentric
 
     # The step draws food only when the snake eats, and eating never ends the episode except on
     # a win, where no food can be placed; so a reset and a food draw are never both used.
@@ -529,7 +539,12 @@ class Snake(Environment):
         if size < 2:
             raise ValueError(f"Snake needs grid_size >= 2, got {size}")
         num_cells = size * size
-        head_draw, food_draw = uniform(key, 2)
+        draws = uniform(key, 4 if self.egocentric else 2)
+        head_draw, food_draw = draws[0], draws[1]
+        direction, mirrored = jnp.int32(0), jnp.bool_(False)
+        if self.egocentric:
+            direction = jnp.floor(draws[2] * 4).astype(jnp.int32)
+            mirrored = draws[3] < 0.5
         head_index = jnp.floor(head_draw * num_cells).astype(jnp.int32)
         food_index = jnp.floor(food_draw * (num_cells - 1)).astype(jnp.int32)
         food_index = food_index + (food_index >= head_index)  # skip the head's cell
@@ -537,11 +552,12 @@ class Snake(Environment):
         state = SnakeState(
             body=_cell_mask(size, head).astype(jnp.int32),
             head=head,
-            direction=jnp.int32(0),
+            direction=direction,
             food=_cell_of_index(food_index, size),
             length=jnp.int32(1),
             steps_since_food=jnp.int32(0),
             time=jnp.int32(0),
+            mirrored=mirrored,
         )
         return self.get_obs(state, params), state
 
@@ -562,7 +578,10 @@ class Snake(Environment):
 
     def step_env(self, key, state, action, params):
         size = params.grid_size
-        action = jnp.clip(jnp.asarray(action, jnp.int32).reshape(()), 0, 3)
+        action = jnp.clip(jnp.asarray(action, jnp.int32).reshape(()), 0, self.num_actions - 1)
+        if self.egocentric:  # a turn of -1 (left), 0 or +1 (right) quarters, clockwise
+            turn = action - 1
+            action = (state.direction + jnp.where(state.mirrored, -turn, turn)) % 4
         turns_back = ((action + 2) % 4 == state.direction) & (state.length > 1)
         direction = jnp.where(turns_back, state.direction, action)
         new_head = state.head + jnp.array(SNAKE_MOVES, jnp.int32)[direction]
@@ -592,6 +611,7 @@ class Snake(Environment):
             length=length,
             steps_since_food=jnp.where(eats, 0, state.steps_since_food + 1),
             time=state.time + 1,
+            mirrored=state.mirrored,
         )
         reward = eats.astype(jnp.float32) - dies.astype(jnp.float32)
         terminated = dies | wins
@@ -612,17 +632,22 @@ class Snake(Environment):
         cols = jnp.arange(size)[None, :, None]
         one_hot = ((rows == marked[0]) & (cols == marked[1])).astype(jnp.float32)
         recency = state.body[..., None].astype(jnp.float32) / state.length.astype(jnp.float32)
-        return jnp.where(channel == 1, recency, one_hot)
+        obs = jnp.where(channel == 1, recency, one_hot)
+        if self.egocentric:
+            # A quarter turn anticlockwise per quarter the heading is clockwise of up.
+            turned = jnp.stack([jnp.rot90(obs, quarters) for quarters in range(4)])[state.direction]
+            obs = jnp.where(state.mirrored, turned[:, ::-1], turned)
+        return obs
 
     def observation_space(self, params: SnakeParams) -> Box:
         return Box(0.0, 1.0, (params.grid_size, params.grid_size, 3))
 
     def action_space(self, params: SnakeParams | None = None) -> Discrete:
-        return Discrete(4)
+        return Discrete(self.num_actions)
 
     @property
     def num_actions(self) -> int:
-        return 4
+        return 3 if self.egocentric else 4
 
     @property
     def name(self) -> str:

@@ -40,8 +40,12 @@ class EnvConfig:
     """Snake's board and hunger limit (envs.SnakeParams)."""
 
     grid_size: int = 10  # side of the square board in cells, 6 to 20
+    egocentric: bool = True
+    """the view turns with the snake (head up, a random mirror per episode; moves: left,
+    straight, right); off: the fixed board and four absolute moves"""
     max_steps_without_food: int | None = None
-    """steps without food before a truncation; None: grid_size**2, enough to sweep the board"""
+    """steps without food before a truncation; None: 2 * grid_size**2, room for a long snake to
+    go round its body"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +55,12 @@ class Config:
     sweep: tuple[str, ...] | None = None
     """NAME=V1,V2,... entries, e.g. gamma=0.95,0.99 ent-coef=0,0.01: every combination of the
     values x --num-seeds runs in one vmapped program (docs/sweeps.md)"""
-    total_timesteps: int = 2_621_440  # env steps per seed (all envs), rounded down to whole chunks
+    total_timesteps: int = 6_291_456  # env steps per seed (all envs), rounded down to whole chunks
     learning_rate: float = 2e-3  # Adam step size
     anneal_lr: bool = True  # decay the learning rate linearly to 0 over training
     num_envs: int = 64  # parallel envs per seed
     num_steps: int = 128  # steps per env per rollout (an iteration: num_envs * num_steps)
-    gamma: float = 0.99  # discount factor
+    gamma: float = 0.995  # discount factor; a good snake's episodes last a thousand steps
     gae_lambda: float = 0.95  # lambda of generalised advantage estimation
     num_minibatches: int = 32  # minibatches per epoch; must divide num_envs * num_steps
     update_epochs: int = 2  # passes over each rollout
@@ -81,8 +85,9 @@ def make_env(config: Config) -> tuple[envs.Environment, envs.SnakeParams]:
     grid_size = config.env.grid_size
     hunger_limit = config.env.max_steps_without_food
     if hunger_limit is None:
-        hunger_limit = grid_size**2
-    return envs.Snake(), envs.SnakeParams(grid_size=grid_size, max_steps_without_food=hunger_limit)
+        hunger_limit = 2 * grid_size**2
+    env = envs.Snake(egocentric=config.env.egocentric)
+    return env, envs.SnakeParams(grid_size=grid_size, max_steps_without_food=hunger_limit)
 
 
 def env_name(config: Config) -> str:
@@ -213,8 +218,9 @@ class ActorCritic(nn.Module):
         # A channel of ones marks the board, so that the zero padding beyond it reads as wall.
         features = self.trunk(jnp.concatenate([obs, jnp.ones_like(obs[..., :1])], axis=-1))
         logits = nn.Dense(self.num_actions, kernel_init=POLICY_INIT, name="policy")(features)
-        # Finite, so that 0 x log-prob stays 0 in the entropy.
-        logits = jnp.where(reverse_move_mask(obs), -1e9, logits)
+        if self.num_actions == 4:  # absolute moves; the egocentric three never turn back
+            # Finite, so that 0 x log-prob stays 0 in the entropy.
+            logits = jnp.where(reverse_move_mask(obs), -1e9, logits)
         value = nn.Dense(1, kernel_init=VALUE_INIT, name="value")(features)
         return logits, value[..., 0]
 
@@ -741,7 +747,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 LOSS_COLUMNS = ("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac")  # checked for NaN
 METRIC_COLUMNS = ("episode_return", "episode_length", "score", "win_rate", *LOSS_COLUMNS)
 PROGRESS_COLUMNS = ("score", "win_rate", "value_loss", "entropy")  # on each progress line
-EVAL_EPISODES = 32  # greedy episodes per run by default (a good snake's scores vary a lot)
+EVAL_EPISODES = 100  # greedy episodes per run by default (a good snake's scores vary a lot)
 
 
 def solved_return(config: Config) -> float:

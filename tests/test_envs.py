@@ -458,6 +458,7 @@ def snake_state(
         length=jnp.int32(len(cells)),
         steps_since_food=jnp.int32(values["steps_since_food"]),
         time=jnp.int32(values["time"]),
+        mirrored=jnp.bool_(values.get("mirrored", False)),
     )
 
 
@@ -607,6 +608,70 @@ def test_snake_observation_channels():
         [recency[2, 2], recency[2, 1], recency[1, 1]], [1.0, 2 / 3, 1 / 3], rtol=1e-6
     )
     assert recency.sum() == pytest.approx(2.0)
+
+
+def egocentric_obs(state: Any) -> np.ndarray:
+    return np.asarray(envs.Snake(egocentric=True).get_obs(state, envs.SnakeParams(grid_size=5)))
+
+
+def view_cell(obs: np.ndarray, channel: int) -> tuple[int, int]:
+    (row,), (col,) = np.nonzero(obs[..., channel])
+    return int(row), int(col)
+
+
+@pytest.mark.parametrize("mirrored", [False, True])
+def test_snake_egocentric_view_turns_the_heading_up_and_mirrors(mirrored):
+    """Heading right: the food two cells ahead shows straight above the head; food on the snake's
+    right (the board's down) shows on the view's right, on its left when mirrored."""
+    cells = [(2, 2), (2, 1), (2, 0)]
+    ahead = snake_state(5, cells, food=(2, 4), direction=RIGHT, mirrored=mirrored)
+    head_row, head_col = view_cell(egocentric_obs(ahead), 0)
+    assert view_cell(egocentric_obs(ahead), 2) == (head_row - 2, head_col)
+    # The neck, behind the head, shows below it.
+    assert egocentric_obs(ahead)[head_row + 1, head_col, 1] == pytest.approx(2 / 3)
+    right = snake_state(5, cells, food=(3, 2), direction=RIGHT, mirrored=mirrored)
+    side = -1 if mirrored else 1
+    assert view_cell(egocentric_obs(right), 2) == (head_row, head_col + side)
+    # Every heading: the view is the board turned a quarter anticlockwise per quarter clockwise.
+    for direction in (UP, RIGHT, DOWN, LEFT):
+        state = snake_state(5, cells, food=(4, 1), direction=direction, mirrored=mirrored)
+        board = np.asarray(envs.Snake().get_obs(state, envs.SnakeParams(grid_size=5)))
+        turned = np.rot90(board, direction)
+        np.testing.assert_array_equal(
+            egocentric_obs(state), turned[:, ::-1] if mirrored else turned
+        )
+
+
+@pytest.mark.parametrize("mirrored", [False, True])
+def test_snake_egocentric_moves_are_left_straight_right_as_seen(mirrored):
+    env = envs.Snake(egocentric=True)
+    params = envs.SnakeParams(grid_size=5)
+    assert env.num_actions == env.action_space(params).n == 3
+    state = snake_state(5, [(2, 2), (2, 1)], food=(0, 0), direction=RIGHT, mirrored=mirrored)
+    head_row, head_col = view_cell(egocentric_obs(state), 0)
+    left, right = (DOWN, UP) if mirrored else (UP, DOWN)
+    for action, direction, seen in [(0, left, (0, -1)), (1, RIGHT, (-1, 0)), (2, right, (0, 1))]:
+        _, after, *_ = env.step_env(jax.random.key(0), state, action, params)
+        assert int(after.direction) == direction and bool(after.mirrored) == mirrored
+        # The cell the head entered, as the view showed it before the move (marked by food there).
+        entered = view_cell(egocentric_obs(state.replace(food=after.head)), 2)
+        assert entered == (head_row + seen[0], head_col + seen[1]), action
+
+
+def test_snake_egocentric_reset_draws_heading_and_mirror_uniformly():
+    count = 8000
+    params = envs.SnakeParams(grid_size=6)
+    reset = jax.jit(jax.vmap(envs.Snake(egocentric=True).reset, in_axes=(0, None)))
+    _, states = reset(key_batch(3, count), params)
+    headings = np.bincount(np.asarray(states.direction), minlength=4)
+    assert np.all(np.abs(headings - count / 4) < 5 * np.sqrt(count / 4)), headings
+    mirrored = np.asarray(states.mirrored)
+    assert abs(mirrored.sum() - count / 2) < 5 * np.sqrt(count / 4)
+    # Heading and mirror independent: each of the 8 views about equally often.
+    views = np.bincount(np.asarray(states.direction) * 2 + mirrored, minlength=8)
+    assert np.all(np.abs(views - count / 8) < 5 * np.sqrt(count / 8)), views
+    _, fixed = jax.vmap(envs.Snake().reset, in_axes=(0, None))(key_batch(3, 64), params)
+    assert not np.asarray(fixed.direction).any() and not np.asarray(fixed.mirrored).any()
 
 
 # ---------------------------------------------------------------------------------------------
