@@ -569,7 +569,7 @@ def test_the_curves_show_every_metric_and_the_policy_in_the_last_panel(finished_
     assert titles == list(ppo.METRIC_COLUMNS)
     assert len(axes) > len(ppo.METRIC_COLUMNS) and axes[-1].images
     assert not any(axis.images for axis in axes[: len(ppo.METRIC_COLUMNS)])
-    assert "solved (45)" in axes[0].get_legend_handles_labels()[1]
+    assert "solved (33)" in axes[0].get_legend_handles_labels()[1]
     caption = np.asarray(Image.open(out / "policy.gif").convert("L"))[:16]
     assert caption.min() < 100  # dark caption text above the white frames
 
