@@ -925,10 +925,10 @@ def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict
         if name not in physics and value != flat(saved)[name]:
             raise UsageError(f"--{name.replace('_', '-')} is set by the checkpoint; leave it out")
     env, env_params = make_env(saved)
-    spaces = (env.observation_space(env_params).shape, env.action_space(env_params).shape)
+    spaces = (env.observation_space(env_params).shape, env.num_actions)
     saved = with_values(saved, physics)
     env, env_params = make_env(saved)
-    if spaces != (env.observation_space(env_params).shape, env.action_space(env_params).shape):
+    if spaces != (env.observation_space(env_params).shape, env.num_actions):
         flags = " ".join(f"--{name.replace('_', '-')}" for name in physics)
         raise UsageError(f"{flags} with --load-model must keep the obs and action shapes")
     validate(saved)  # the checkpoint's values meet this script's ranges too

@@ -649,6 +649,7 @@ def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path, compi
         (["--hidden-size", "8"], "--hidden-size"),
         (["--network", "transformer"], "--network"),
         (["--env.grid-size", "8"], "--env.grid-size"),
+        (["--env.no-egocentric"], "--env.egocentric"),  # 4 moves, not the model's 3
     ],
 )
 def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run, flags, name):
