@@ -40,12 +40,9 @@ class EnvConfig:
     """Snake's board and hunger limit (envs.SnakeParams)."""
 
     grid_size: int = 10  # side of the square board in cells, 6 to 20
-    egocentric: bool = True
-    """the view turns with the snake (head up, a random mirror per episode; moves: left,
-    straight, right); off: the fixed board and four absolute moves"""
+    egocentric: bool = True  # the view turns with the snake: head up, moves left/straight/right
     max_steps_without_food: int | None = None
-    """steps without food before a truncation; None: 2 * grid_size**2, room for a long snake to
-    go round its body"""
+    """steps without food before a truncation; None: 2 * grid_size**2, to go round the body"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +80,7 @@ class Config:
 def make_env(config: Config) -> tuple[envs.Environment, envs.SnakeParams]:
     """The one place the env is made (the shaping and the evaluation read Snake's board)."""
     grid_size = config.env.grid_size
-    hunger_limit = config.env.max_steps_without_food
-    if hunger_limit is None:
-        hunger_limit = 2 * grid_size**2
+    hunger_limit = config.env.max_steps_without_food or 2 * grid_size**2  # None: the default
     env = envs.Snake(egocentric=config.env.egocentric)
     return env, envs.SnakeParams(grid_size=grid_size, max_steps_without_food=hunger_limit)
 
@@ -218,8 +213,7 @@ class ActorCritic(nn.Module):
         # A channel of ones marks the board, so that the zero padding beyond it reads as wall.
         features = self.trunk(jnp.concatenate([obs, jnp.ones_like(obs[..., :1])], axis=-1))
         logits = nn.Dense(self.num_actions, kernel_init=POLICY_INIT, name="policy")(features)
-        if self.num_actions == 4:  # absolute moves; the egocentric three never turn back
-            # Finite, so that 0 x log-prob stays 0 in the entropy.
+        if self.num_actions == 4:  # the fixed board's moves; finite: 0 x log-prob stays 0
             logits = jnp.where(reverse_move_mask(obs), -1e9, logits)
         value = nn.Dense(1, kernel_init=VALUE_INIT, name="value")(features)
         return logits, value[..., 0]
