@@ -52,7 +52,7 @@ class Config:
     sweep: tuple[str, ...] | None = None
     """NAME=V1,V2,... entries, e.g. gamma=0.95,0.99 ent-coef=0,0.01: every combination of the
     values x --num-seeds runs in one vmapped program (docs/sweeps.md)"""
-    total_timesteps: int = 6_291_456  # env steps per seed (all envs), rounded down to whole chunks
+    total_timesteps: int = 10_485_760  # env steps per seed (all envs), rounded down to whole chunks
     learning_rate: float = 2e-3  # Adam step size
     anneal_lr: bool = True  # decay the learning rate linearly to 0 over training
     num_envs: int = 64  # parallel envs per seed
