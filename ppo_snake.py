@@ -122,8 +122,7 @@ VALUE_INIT = orthogonal(1.0)
 def reverse_move_mask(obs: Array) -> Array:
     """bool[..., 4]: True for the move back into the neck, which envs.Snake turns into "keep
     going" (for a snake longer than one): masked, the policy picks among three distinct moves.
-    The neck is the head's neighbour of highest body recency (channel 1: head 1, neck
-    (length - 1) / length)."""
+    The neck is the head's neighbour of highest recency (channel 1: head 1 .. tail 1/length)."""
     head = obs[..., 0]
     recency = obs[..., 1]
     size = obs.shape[-2]
@@ -191,9 +190,8 @@ class TransformerTrunk(nn.Module):
         for block in range(self.num_blocks):
             attention = nn.MultiHeadDotProductAttention(self.num_heads, name=f"attention_{block}")
             x = x + attention(nn.LayerNorm()(x))
-            hidden = nn.gelu(
-                nn.Dense(4 * self.embed_dim, name=f"mlp_in_{block}")(nn.LayerNorm()(x))
-            )
+            mlp_in = nn.Dense(4 * self.embed_dim, name=f"mlp_in_{block}")
+            hidden = nn.gelu(mlp_in(nn.LayerNorm()(x)))
             x = x + nn.Dense(self.embed_dim, name=f"mlp_out_{block}")(hidden)
         # Channel 0 marks the head: this picks the head's token.
         head_token = jnp.einsum("...t,...te->...e", tokens[..., 0], nn.LayerNorm()(x))
@@ -210,8 +208,14 @@ class ActorCritic(nn.Module):
 
     @nn.compact
     def __call__(self, obs: Array) -> tuple[Array, Array]:
+        # The body channel (head 1 .. tail 1/length) barely tells the tail, which the head may
+        # enter, from the cell behind it, which kills: tail / recency is 1/k for a cell free in k.
+        recency = obs[..., 1:2]
+        tail = jnp.min(jnp.where(recency > 0, recency, 1.0), axis=(-3, -2), keepdims=True)
+        soon_free = tail / jnp.where(recency > 0, recency, jnp.inf)
         # A channel of ones marks the board, so that the zero padding beyond it reads as wall.
-        features = self.trunk(jnp.concatenate([obs, jnp.ones_like(obs[..., :1])], axis=-1))
+        board = jnp.concatenate([obs, soon_free, jnp.ones_like(recency)], axis=-1)
+        features = self.trunk(board)
         logits = nn.Dense(self.num_actions, kernel_init=POLICY_INIT, name="policy")(features)
         if self.num_actions == 4:  # the fixed board's moves; finite: 0 x log-prob stays 0
             logits = jnp.where(reverse_move_mask(obs), -1e9, logits)
@@ -350,15 +354,11 @@ def compute_gae(
 def food_potential(obs: Array) -> Array:
     """-(Manhattan distance from the head to the food) / grid size, per observation."""
     size = obs.shape[-2]
+    offset = obs[..., 0] - obs[..., 2]  # one-hots: +1 at the head, -1 at the food
     lines = jnp.arange(size, dtype=jnp.float32)
-    rows = jnp.einsum("...ijc,i->...c", obs, lines)  # the row of each one-hot channel
-    cols = jnp.einsum("...ijc,j->...c", obs, lines)
-    head = 0
-    food = 2
-    distance = jnp.abs(rows[..., head] - rows[..., food]) + jnp.abs(
-        cols[..., head] - cols[..., food]
-    )
-    return -distance / size
+    rows = jnp.einsum("...ij,i->...", offset, lines)  # the head's row minus the food's
+    cols = jnp.einsum("...ij,j->...", offset, lines)
+    return -(jnp.abs(rows) + jnp.abs(cols)) / size
 
 
 def shaped_reward(

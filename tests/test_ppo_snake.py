@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import chex
+import flax.linen as nn
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,36 @@ def test_network_output_shapes(network):
         params = jax.eval_shape(net.init, jax.random.key(0), obs)
         logits, value = jax.eval_shape(net.apply, params, obs)
         assert logits.shape == (3, 2, 4) and value.shape == (3, 2), grid_size
+
+
+def test_the_trunk_sees_how_soon_each_body_cell_is_free():
+    """Besides the env's three channels, the trunk gets 1/k for a body cell free in k steps (the
+    tail 1, the cell behind it 1/2: the env's recency, k/length, tells them apart by 1/length)
+    and a channel of ones; a snake of 5 along the top row of the fixed board, tail at column 0."""
+    env = envs.Snake()
+    params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
+    _, state = env.reset(jax.random.key(0), params)
+    body = jnp.zeros((6, 6), jnp.int32).at[0, :5].set(jnp.arange(1, 6))
+    state = state.replace(body=body, head=jnp.array([0, 4]), length=jnp.int32(5))
+    state = state.replace(food=jnp.array([3, 3]))
+    network = ppo.make_network(ppo.Config(), 4)
+    obs = env.get_obs(state, params)
+    trunk_inputs = []
+
+    def record_trunk_input(next_fun, args, kwargs, context):
+        if isinstance(context.module, ppo.ConvTrunk):
+            trunk_inputs.append(args[0])
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record_trunk_input):
+        network.init(jax.random.key(0), obs)
+    board = np.asarray(trunk_inputs[0])
+    assert board.shape == (6, 6, 5)
+    np.testing.assert_array_equal(board[..., :3], obs)
+    soon_free = np.zeros((6, 6), np.float32)
+    soon_free[0, :5] = [1, 1 / 2, 1 / 3, 1 / 4, 1 / 5]
+    np.testing.assert_allclose(board[..., 3], soon_free, rtol=1e-6)
+    np.testing.assert_array_equal(board[..., 4], 1.0)
 
 
 @pytest.fixture(scope="module")
