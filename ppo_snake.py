@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from chex import Array, PRNGKey
 from flax import struct
+from optax.tree_utils import tree_where
 
 import envs
 
@@ -68,6 +69,7 @@ class Config:
     vf_coef: float = 0.5  # weight of the value loss
     max_grad_norm: float = 0.5  # clip the gradient to this global norm (optax.clip_by_global_norm)
     food_shaping: float = 1.0  # weight of the potential-based reward for steps towards the food
+    rewind_prob: float = 0.5  # chance that a death rewinds its game to after the meal before last
     network: Literal["conv", "transformer"] = "conv"
     """trunk under the policy and value heads: a small CNN, or a transformer over the cells"""
     conv_channels: tuple[int, ...] = (16, 32)  # channels of each 3x3 convolution of the conv trunk
@@ -119,26 +121,6 @@ POLICY_INIT = orthogonal(0.01)  # a near-uniform first policy
 VALUE_INIT = orthogonal(1.0)
 
 
-def reverse_move_mask(obs: Array) -> Array:
-    """bool[..., 4]: True for the move back into the neck, which envs.Snake turns into "keep
-    going" (for a snake longer than one): masked, the policy picks among three distinct moves.
-    The neck is the head's neighbour of highest recency (channel 1: head 1 .. tail 1/length)."""
-    head = obs[..., 0]
-    recency = obs[..., 1]
-    size = obs.shape[-2]
-    padded = jnp.pad(recency, [(0, 0)] * (recency.ndim - 2) + [(1, 1), (1, 1)])
-    # The recency of the cell each move enters, read at the head.
-    neighbour_recency = jnp.stack(
-        [
-            (head * padded[..., 1 + row : 1 + row + size, 1 + col : 1 + col + size]).sum((-2, -1))
-            for row, col in envs.SNAKE_MOVES
-        ],
-        axis=-1,
-    )
-    highest = neighbour_recency == neighbour_recency.max(-1, keepdims=True)
-    return highest & (neighbour_recency > 0)
-
-
 def patches_3x3(x: Array) -> Array:
     """[..., rows, cols, 9 * channels]: each cell's 3x3 neighbourhood, zeros beyond the board; a
     dense layer on it is a 3x3 'same' convolution."""
@@ -147,6 +129,17 @@ def patches_3x3(x: Array) -> Array:
     return jnp.concatenate(
         [padded[..., i : i + rows, j : j + cols, :] for i in range(3) for j in range(3)], axis=-1
     )
+
+
+def reverse_move_mask(obs: Array) -> Array:
+    """bool[..., 4]: True for the move back into the neck, which envs.Snake turns into "keep
+    going" (for a snake longer than one): masked, the policy picks among three distinct moves.
+    The neck is the head's neighbour of highest recency (channel 1: head 1 .. tail 1/length)."""
+    around_head = jnp.einsum("...ij,...ijk->...k", obs[..., 0], patches_3x3(obs[..., 1:2]))
+    # The recency of the cell each move enters: patch index 3 (row + 1) + (col + 1).
+    neighbour_recency = around_head[..., [3 * row + col + 4 for row, col in envs.SNAKE_MOVES]]
+    highest = neighbour_recency == neighbour_recency.max(-1, keepdims=True)
+    return highest & (neighbour_recency > 0)
 
 
 class ConvTrunk(nn.Module):
@@ -244,6 +237,8 @@ class TrainState:
     opt_state: optax.OptState
     env_state: envs.EpisodeStatsState  # [num_envs]
     obs: Array  # [num_envs, grid, grid, 3], what each env shows now
+    last_meal: tuple[envs.EpisodeStatsState, Array]  # per env, (env state, obs) after it ate
+    meal_before: tuple[envs.EpisodeStatsState, Array]  # the same one meal earlier: a rewind's
     key: PRNGKey
     env_steps: Array  # int32, all envs together
     updates: Array  # int32, gradient updates done
@@ -429,6 +424,18 @@ def ppo_loss(
     return loss, losses
 
 
+def rewind_points(
+    ate: Array, rewinds: Array, restarts: Array, now: Any, last_meal: Any, meal_before: Any
+) -> tuple[Any, Any, Any]:
+    """One env after a step: where its game goes on (the step's state, or after a rewinding
+    death its point after the meal before last) and its new points after the last meal and the
+    one before (at a restart both are the reset; after a meal the older one moves up)."""
+    now = tree_where(rewinds, meal_before, now)
+    meal_before = tree_where(restarts, now, tree_where(ate, last_meal, meal_before))
+    last_meal = tree_where(restarts | ate | rewinds, now, last_meal)
+    return now, last_meal, meal_before
+
+
 def masked_mean(values: Array, mask: Array) -> Array:
     """The mean of `values` where `mask` holds; NaN where it holds nowhere."""
     return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.where(mask.any(), mask.sum(), jnp.nan)
@@ -476,26 +483,36 @@ def make_train(config: Config):
             opt_state=optimizer.init(params),
             env_state=env_state,
             obs=obs,
+            last_meal=(env_state, obs),
+            meal_before=(env_state, obs),
             key=key_loop,
             env_steps=jnp.int32(0),
             updates=jnp.int32(0),
         )
 
     def rollout(state: TrainState, key: PRNGKey) -> tuple[TrainState, Transition]:
-        """num_steps steps of every env with the current policy."""
-        key_actions, key_envs = jax.random.split(key)
-        # All the rollout's randomness in two draws before the scan: Gumbel noise samples the
+        """num_steps steps of every env with the current policy; a death may rewind its game."""
+        key_actions, key_envs, key_rewinds = jax.random.split(key, 3)
+        # All the rollout's randomness in draws before the scan: Gumbel noise samples the
         # actions (argmax(logits + Gumbel) ~ softmax(logits), as jax.random.categorical draws).
         gumbel = jax.random.gumbel(key_actions, (num_steps, num_envs, env.num_actions))
         env_keys = jax.random.split(key_envs, (num_steps, num_envs))
+        rewind_draws = jax.random.uniform(key_rewinds, (num_steps, num_envs))
 
-        def env_step(carry: tuple[envs.EpisodeStatsState, Array], noise_and_keys):
-            env_state, obs = carry
-            noise, keys = noise_and_keys
+        def env_step(carry, draws):
+            env_state, obs, last_meal, meal_before = carry
+            noise, keys, rewind_draw = draws
             logits, value = network.apply(state.params, obs)
             action = jnp.argmax(logits + noise, axis=-1)
             next_obs, env_state, reward, terminated, truncated, info = step_envs(
                 keys, env_state, action, env_params
+            )
+            # The step's outcome is recorded as it happened; only where the game goes on changes.
+            ate = reward > 0  # the env's reward: +1 for food, -1 for a death
+            rewinds = terminated & ~info["won"] & (rewind_draw < config.rewind_prob)
+            restarts = (terminated | truncated) & ~rewinds
+            now, last_meal, meal_before = jax.vmap(rewind_points)(
+                ate, rewinds, restarts, (env_state, next_obs), last_meal, meal_before
             )
             transition = Transition(
                 obs=obs,
@@ -514,12 +531,19 @@ def make_train(config: Config):
                     won=info["won"],
                 ),
             )
-            return (env_state, next_obs), transition
+            return (*now, last_meal, meal_before), transition
 
-        carry = (state.env_state, state.obs)
-        (env_state, obs), transitions = jax.lax.scan(env_step, carry, (gumbel, env_keys))
+        carry = (state.env_state, state.obs, state.last_meal, state.meal_before)
+        draws = (gumbel, env_keys, rewind_draws)
+        (env_state, obs, last_meal, meal_before), transitions = jax.lax.scan(env_step, carry, draws)
         chex.assert_shape(transitions.reward, (num_steps, num_envs))
-        state = state.replace(env_state=env_state, obs=obs, env_steps=state.env_steps + batch_size)
+        state = state.replace(
+            env_state=env_state,
+            obs=obs,
+            last_meal=last_meal,
+            meal_before=meal_before,
+            env_steps=state.env_steps + batch_size,
+        )
         return state, transitions
 
     def advantages(params: Params, transitions: Transition) -> Batch:

@@ -333,6 +333,38 @@ def test_score_counts_food(two_seed_run):
     assert (np.asarray(metrics.score) >= 0).all() and (np.asarray(metrics.win_rate) == 0).all()
 
 
+def test_rewind_points_by_hand():
+    """Four envs, a game's point standing for its state: env 0 eats (its points move up), env 1
+    dies and rewinds (to its point after the meal before last), env 2 dies or hungers and
+    restarts (both points become the reset), env 3 just moves."""
+    ate = jnp.array([True, False, False, False])
+    rewinds = jnp.array([False, True, False, False])
+    restarts = jnp.array([False, False, True, False])
+    now = jnp.array([10.0, 11, 12, 13]), jnp.array([[10.0], [11], [12], [13]])
+    last_meal = jnp.array([20.0, 21, 22, 23]), jnp.array([[20.0], [21], [22], [23]])
+    meal_before = jnp.array([30.0, 31, 32, 33]), jnp.array([[30.0], [31], [32], [33]])
+    got = jax.vmap(ppo.rewind_points)(ate, rewinds, restarts, now, last_meal, meal_before)
+    want = [[10, 31, 12, 13], [10, 31, 12, 23], [20, 31, 12, 33]]  # now, last meal, meal before
+    for points, expected in zip(got, want, strict=True):
+        np.testing.assert_array_equal(points[0], expected)
+        np.testing.assert_array_equal(points[1][:, 0], expected)
+
+
+def test_rewind_points_are_whole_states_one_meal_apart():
+    """After training with every death rewound, each env's rewind points are states with their
+    own observations, the older one meal shorter or equal (after a reset or a rewind)."""
+    init, run_chunk, _ = ppo.make_train(dataclasses.replace(TINY, rewind_prob=1.0))
+    state, _ = jax.jit(run_chunk)(jax.jit(init)(jax.random.key(1)), 0)
+    env, _ = ppo.make_env(TINY)
+    length = {}
+    for name in ("last_meal", "meal_before"):
+        stats, obs = getattr(state, name)
+        np.testing.assert_array_equal(jax.vmap(env.get_obs)(stats.env_state), obs)
+        length[name] = np.asarray(stats.env_state.length)
+    assert np.isin(length["last_meal"] - length["meal_before"], [0, 1]).all()
+    assert (np.asarray(state.env_state.env_state.length) >= length["last_meal"]).all()
+
+
 def test_evaluation_starts_from_other_states_than_training():
     """The evaluation's key is split from the seed's key beside training's, not folded from it:
     its first reset states share nothing with the training envs' first reset states (a reset
