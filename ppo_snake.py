@@ -1,9 +1,8 @@
 """PPO on Snake with a CNN (or a transformer) over the board, fully on device. Docs: docs/ppo.md
 
 ppo_cartpole.py's loop with a board-sized network, as CleanRL's ppo_atari.py is ppo.py's sibling
-(Schulman et al. 2017; GAE, Schulman et al. 2016; the details of Huang et al. 2022): the envs,
-the rollout, the advantages and every gradient step run in one compiled `lax.scan` per chunk of
-PPO iterations.
+(Schulman et al. 2017; GAE, Schulman et al. 2016; the details of Huang et al. 2022), and a death
+may rewind its game to retry the stretch that killed it (docs/ppo.md).
 
     python ppo_snake.py                          # 10x10 board: train, evaluate, write runs/
     python ppo_snake.py --env.grid-size 6        # any board from 6x6 to 20x20
@@ -143,11 +142,9 @@ def reverse_move_mask(obs: Array) -> Array:
 
 
 class ConvTrunk(nn.Module):
-    """3x3 'same' convolutions with ReLU, flattened into a dense ReLU layer (Mnih et al. 2015's
-    Atari network sized for a small board; the dense layer knows where each cell is). Each
-    convolution is a dense layer on 3x3 patches, nn.Conv's function: under vmap over seeds it is
-    a batched matrix product, where nn.Conv becomes a grouped convolution whose gradient XLA's
-    CPU code computes 3.3x slower (docs/ppo.md)."""
+    """3x3 'same' convolutions with ReLU into a dense ReLU layer (Mnih et al. 2015's Atari network
+    for a small board). Each is a dense layer on 3x3 patches: under vmap over seeds nn.Conv
+    becomes a grouped convolution whose gradient is 3.3x slower on the CPU (docs/ppo.md)."""
 
     channels: Sequence[int]
     hidden_size: int
@@ -163,10 +160,9 @@ class ConvTrunk(nn.Module):
 
 
 class TransformerTrunk(nn.Module):
-    """The cells as tokens: a linear embedding plus a learned position embedding, pre-norm
-    self-attention blocks (Vaswani et al. 2017, the layer norms first as in Xiong et al. 2020),
-    then the head's token into a dense ReLU layer: the head's view of the board, where a mean
-    over the cells would bury the few that matter among the empty ones."""
+    """The cells as tokens (a linear embedding plus a learned position embedding), pre-norm
+    self-attention blocks (Vaswani et al. 2017; Xiong et al. 2020), then the head's token into a
+    dense ReLU layer: a mean over the cells would bury the few that matter among the empty."""
 
     hidden_size: int
     embed_dim: int = 32
@@ -293,8 +289,7 @@ class Losses:
 
 @struct.dataclass
 class Metrics:
-    """A chunk's numbers for one seed: means over its completed episodes (NaN where none ended)
-    and over its gradient updates."""
+    """A chunk's numbers for one seed: means over its ended episodes (NaN if none), its updates."""
 
     env_steps: Array
     updates: Array
@@ -326,10 +321,9 @@ def compute_gae(
 ) -> tuple[Array, Array]:
     """GAE(lambda) over [num_steps, num_envs] arrays by a reverse scan (Schulman et al. 2016).
 
-    next_values[t] is the value of the state step t reached: the next observation's, or at an
-    episode end the final observation's (before the auto-reset). A termination bootstraps
-    nothing; a truncation (here the hunger limit) bootstraps next_values[t], as the state is not
-    terminal. Either end stops the advantage from flowing back across the episode boundary.
+    next_values[t] is the value of the state step t reached (at an episode end the final
+    observation's, before the auto-reset). A termination bootstraps nothing, a truncation (the
+    hunger limit) bootstraps it; either stops the advantage at the episode boundary.
     Returns (advantages, targets = advantages + values)."""
     chex.assert_equal_shape([rewards, values, next_values, terminated, truncated])
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
@@ -414,22 +408,20 @@ def ppo_loss(
         values, minibatch.value, minibatch.target, config.clip_coef, config.clip_vloss
     )
     loss = policy_loss_value - config.ent_coef * entropy + config.vf_coef * value_loss_value
-    losses = Losses(
+    return loss, Losses(
         value_loss=value_loss_value,
         policy_loss=policy_loss_value,
         entropy=entropy,
         approx_kl=approx_kl,
         clip_frac=clip_frac,
     )
-    return loss, losses
 
 
 def rewind_points(
     ate: Array, rewinds: Array, restarts: Array, now: Any, last_meal: Any, meal_before: Any
 ) -> tuple[Any, Any, Any]:
-    """One env after a step: where its game goes on (the step's state, or after a rewinding
-    death its point after the meal before last) and its new points after the last meal and the
-    one before (at a restart both are the reset; after a meal the older one moves up)."""
+    """One env after a step: where its game goes on (a rewinding death: after the meal before
+    last), and its new points after its last two meals (both the reset at a restart)."""
     now = tree_where(rewinds, meal_before, now)
     meal_before = tree_where(restarts, now, tree_where(ate, last_meal, meal_before))
     last_meal = tree_where(restarts | ate | rewinds, now, last_meal)
@@ -509,7 +501,8 @@ def make_train(config: Config):
             )
             # The step's outcome is recorded as it happened; only where the game goes on changes.
             ate = reward > 0  # the env's reward: +1 for food, -1 for a death
-            rewinds = terminated & ~info["won"] & (rewind_draw < config.rewind_prob)
+            died = terminated & ~info["won"]
+            rewinds = died & (rewind_draw < config.rewind_prob)
             restarts = (terminated | truncated) & ~rewinds
             now, last_meal, meal_before = jax.vmap(rewind_points)(
                 ate, rewinds, restarts, (env_state, next_obs), last_meal, meal_before
@@ -527,7 +520,7 @@ def make_train(config: Config):
                     ended=info["returned_episode"],
                     episode_return=info["episode_return"],
                     episode_length=info["episode_length"],
-                    died=terminated & ~info["won"],
+                    died=died,
                     won=info["won"],
                 ),
             )
@@ -537,14 +530,8 @@ def make_train(config: Config):
         draws = (gumbel, env_keys, rewind_draws)
         (env_state, obs, last_meal, meal_before), transitions = jax.lax.scan(env_step, carry, draws)
         chex.assert_shape(transitions.reward, (num_steps, num_envs))
-        state = state.replace(
-            env_state=env_state,
-            obs=obs,
-            last_meal=last_meal,
-            meal_before=meal_before,
-            env_steps=state.env_steps + batch_size,
-        )
-        return state, transitions
+        state = state.replace(env_state=env_state, obs=obs, env_steps=state.env_steps + batch_size)
+        return state.replace(last_meal=last_meal, meal_before=meal_before), transitions
 
     def advantages(params: Params, transitions: Transition) -> Batch:
         """GAE on the shaped rewards, the critic bootstrapping from each step's final obs; the
@@ -579,16 +566,14 @@ def make_train(config: Config):
 
     def update_minibatch(state: TrainState, minibatch: Batch) -> tuple[TrainState, Losses]:
         """One gradient step on the PPO loss."""
-        loss_grad = jax.grad(ppo_loss, has_aux=True)
-        grads, losses = loss_grad(state.params, minibatch, network, config)
+        grads, losses = jax.grad(ppo_loss, has_aux=True)(state.params, minibatch, network, config)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         state = state.replace(params=params, opt_state=opt_state, updates=state.updates + 1)
         return state, losses
 
     def update_networks(state: TrainState, batch: Batch, key: PRNGKey) -> tuple[TrainState, Losses]:
-        """update_epochs passes over the batch, each in num_minibatches minibatches of a fresh
-        permutation; the losses averaged."""
+        """update_epochs passes over the batch, each in num_minibatches shuffled minibatches."""
 
         def update_epoch(state: TrainState, key: PRNGKey) -> tuple[TrainState, Losses]:
             permutation = jax.random.permutation(key, batch_size)
@@ -602,8 +587,7 @@ def make_train(config: Config):
         return state, jax.tree.map(jnp.mean, losses)
 
     def iteration(state: TrainState, unused: None) -> tuple[TrainState, tuple[EpisodeEnds, Losses]]:
-        """One PPO iteration: a rollout, its advantages, then update_epochs x num_minibatches
-        gradient steps."""
+        """One PPO iteration: a rollout, its advantages, then the gradient steps on them."""
         key, key_rollout, key_update = jax.random.split(state.key, 3)
 
         # COLLECT TRAJECTORIES
@@ -633,12 +617,8 @@ def make_train(config: Config):
             episode_length=masked_mean(episodes.episode_length, ended),
             score=masked_mean(episodes.episode_return + episodes.died, ended),
             win_rate=masked_mean(episodes.won, ended),
-            value_loss=jnp.mean(losses.value_loss),
-            policy_loss=jnp.mean(losses.policy_loss),
-            entropy=jnp.mean(losses.entropy),
-            approx_kl=jnp.mean(losses.approx_kl),
-            clip_frac=jnp.mean(losses.clip_frac),
             params_finite=jnp.all(jnp.array([jnp.isfinite(x).all() for x in params])),
+            **vars(jax.tree.map(jnp.mean, losses)),  # value_loss ... clip_frac, chunk means
         )
         return state, metrics
 
@@ -668,8 +648,7 @@ def make_greedy_policy(config: Config):
 
 def make_evaluate(config: Config, num_episodes: int):
     """evaluate(params, key) -> {"episode_return", "score", "win", "episode_length"}, each
-    [num_episodes], of the greedy policy. An episode plays to its end in a while loop, without
-    auto-reset: a good snake lives long, but the hunger limit ends every episode."""
+    [num_episodes], of the greedy policy; each episode played to its end (the hunger limit)."""
     env, env_params, act = make_greedy_policy(config)
     full_board = config.env.grid_size**2
 
@@ -711,15 +690,12 @@ def make_evaluate(config: Config, num_episodes: int):
 
 def make_render(config: Config):
     """(render(params, key) -> uint8 frames [time, height, width, 3]: the greedy policy on
-    GIF_BOARDS boards side by side for GIF_FRAMES steps, drawn by the env's renderer, a board
-    whose game ends starting a new one; seconds per frame). Unlike the evaluation's, no whole
-    episode is replayed: a good snake's are too long to keep."""
+    GIF_BOARDS boards side by side for GIF_FRAMES steps, a board whose game ends starting a new
+    one; seconds per frame). Not whole episodes: a good snake's are too long to keep."""
     env, env_params, act = make_greedy_policy(config)
     step_envs = jax.vmap(env.step, in_axes=(0, 0, 0, None))
     cell_pixels = max(4, 120 // config.env.grid_size)  # about 120 pixels a board, any size
-
-    def draw(env_state: envs.SnakeState) -> Array:
-        return env.render(env_state, env_params, cell_pixels=cell_pixels)
+    draw = functools.partial(env.render, params=env_params, cell_pixels=cell_pixels)
 
     def render(params: Params, key: PRNGKey) -> Array:
         key_reset, key_steps = jax.random.split(key)
