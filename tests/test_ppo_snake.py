@@ -828,8 +828,8 @@ def test_short_run_learns_to_eat():
     chunk, greedy 13.4-19.6, median 16.1; before the rewinds and the soon-free channel 0.15-0.23
     and 15.0-20.5; the fixed board's view: 2.5-6.0; docs/ppo.md): every seed below 0.6 in the
     first chunk (it starts as random play), then a greedy score over 20 episodes of at least 8 on
-    every seed and 12 on the median one. No single seed's path is asserted, since XLA's CPU code (and
-    so each trajectory) differs between processors."""
+    every seed and 12 on the median one. No single seed's path is asserted, since XLA's CPU code
+    (and so each trajectory) differs between processors."""
     config = dataclasses.replace(
         ppo.Config(),
         num_seeds=4,
