@@ -162,7 +162,7 @@ class ConvTrunk(nn.Module):
 class TransformerTrunk(nn.Module):
     """The cells as tokens (a linear embedding plus a learned position embedding), pre-norm
     self-attention blocks (Vaswani et al. 2017; Xiong et al. 2020), then the head's token into a
-    dense ReLU layer: a mean over the cells would bury the few that matter among the empty."""
+    dense ReLU layer: a mean over the cells would bury the few that matter among the empty ones."""
 
     hidden_size: int
     embed_dim: int = 32
