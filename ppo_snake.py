@@ -52,7 +52,7 @@ class Config:
     sweep: tuple[str, ...] | None = None
     """NAME=V1,V2,... entries, e.g. gamma=0.95,0.99 ent-coef=0,0.01: every combination of the
     values x --num-seeds runs in one vmapped program (docs/sweeps.md)"""
-    total_timesteps: int = 10_485_760  # env steps per seed (all envs), rounded down to whole chunks
+    total_timesteps: int = 6_291_456  # env steps per seed (all envs), rounded down to whole chunks
     learning_rate: float = 2e-3  # Adam step size
     anneal_lr: bool = True  # decay the learning rate linearly to 0 over training
     num_envs: int = 64  # parallel envs per seed
@@ -69,6 +69,7 @@ class Config:
     max_grad_norm: float = 0.5  # clip the gradient to this global norm (optax.clip_by_global_norm)
     food_shaping: float = 1.0  # weight of the potential-based reward for steps towards the food
     rewind_prob: float = 0.5  # chance that a death rewinds its game to after the meal before last
+    move_mask: bool = True  # forbid the moves into a wall or the body (the tail excepted)
     network: Literal["conv", "transformer"] = "conv"
     """trunk under the policy and value heads: a small CNN, or a transformer over the cells"""
     conv_channels: tuple[int, ...] = (16, 32)  # channels of each 3x3 convolution of the conv trunk
@@ -141,6 +142,19 @@ def reverse_move_mask(obs: Array) -> Array:
     return highest & (neighbour_recency > 0)
 
 
+EGOCENTRIC_MOVES = ((0, -1), (-1, 0), (0, 1))  # left, straight, right: the view's head points up
+
+
+def deadly_move_mask(head: Array, soon_free: Array, num_actions: int) -> Array:
+    """bool[..., num_actions]: True for a move into a wall or into a body cell still held after
+    the next step (soon-free in (0, 1); the tail, 1, leaves as the head enters): envs.Snake's
+    death rule, read from the board. Boxed in, every move is masked and the policy is uniform."""
+    enterable = ((soon_free == 0) | (soon_free == 1)).astype(soon_free.dtype)  # zero beyond
+    around_head = jnp.einsum("...ij,...ijk->...k", head, patches_3x3(enterable[..., None]))
+    moves = EGOCENTRIC_MOVES if num_actions == 3 else envs.SNAKE_MOVES
+    return around_head[..., [3 * row + col + 4 for row, col in moves]] == 0
+
+
 class ConvTrunk(nn.Module):
     """3x3 'same' convolutions with ReLU into a dense ReLU layer (Mnih et al. 2015's Atari network
     for a small board). Each is a dense layer on 3x3 patches: under vmap over seeds nn.Conv
@@ -194,6 +208,7 @@ class ActorCritic(nn.Module):
 
     trunk: nn.Module
     num_actions: int
+    move_mask: bool
 
     @nn.compact
     def __call__(self, obs: Array) -> tuple[Array, Array]:
@@ -206,7 +221,12 @@ class ActorCritic(nn.Module):
         board = jnp.concatenate([obs, soon_free, jnp.ones_like(recency)], axis=-1)
         features = self.trunk(board)
         logits = nn.Dense(self.num_actions, kernel_init=POLICY_INIT, name="policy")(features)
-        if self.num_actions == 4:  # the fixed board's moves; finite: 0 x log-prob stays 0
+        # Masked logits are finite, so that 0 x log-prob stays 0 in the entropy.
+        if self.move_mask:
+            logits = jnp.where(
+                deadly_move_mask(obs[..., 0], soon_free[..., 0], self.num_actions), -1e9, logits
+            )
+        if self.num_actions == 4:  # the fixed board's moves
             logits = jnp.where(reverse_move_mask(obs), -1e9, logits)
         value = nn.Dense(1, kernel_init=VALUE_INIT, name="value")(features)
         return logits, value[..., 0]
@@ -214,8 +234,10 @@ class ActorCritic(nn.Module):
 
 def make_network(config: Config, num_actions: int) -> ActorCritic:
     if config.network == "conv":
-        return ActorCritic(ConvTrunk(config.conv_channels, config.hidden_size), num_actions)
-    return ActorCritic(TransformerTrunk(config.hidden_size), num_actions)
+        trunk = ConvTrunk(config.conv_channels, config.hidden_size)
+    else:
+        trunk = TransformerTrunk(config.hidden_size)
+    return ActorCritic(trunk, num_actions, config.move_mask)
 
 
 def categorical_log_prob(logits: Array, action: Array) -> Array:
