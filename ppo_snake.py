@@ -142,16 +142,14 @@ def reverse_move_mask(obs: Array) -> Array:
     return highest & (neighbour_recency > 0)
 
 
-EGOCENTRIC_MOVES = ((0, -1), (-1, 0), (0, 1))  # left, straight, right: the view's head points up
-
-
-def deadly_move_mask(head: Array, soon_free: Array, num_actions: int) -> Array:
+def deadly_move_mask(obs: Array, soon_free: Array, num_actions: int) -> Array:
     """bool[..., num_actions]: True for a move into a wall or into a body cell still held after
     the next step (soon-free in (0, 1); the tail, 1, leaves as the head enters): envs.Snake's
     death rule, read from the board. Boxed in, every move is masked and the policy is uniform."""
-    enterable = ((soon_free == 0) | (soon_free == 1)).astype(soon_free.dtype)  # zero beyond
-    around_head = jnp.einsum("...ij,...ijk->...k", head, patches_3x3(enterable[..., None]))
-    moves = EGOCENTRIC_MOVES if num_actions == 3 else envs.SNAKE_MOVES
+    enterable = (soon_free == 0) | (soon_free == 1)  # zero beyond the board: a wall
+    around_head = jnp.einsum("...ij,...ijk->...k", obs[..., 0], patches_3x3(enterable * 1.0))
+    # The egocentric view's head points up: left, straight and right enter these cells.
+    moves = ((0, -1), (-1, 0), (0, 1)) if num_actions == 3 else envs.SNAKE_MOVES
     return around_head[..., [3 * row + col + 4 for row, col in moves]] == 0
 
 
@@ -221,11 +219,8 @@ class ActorCritic(nn.Module):
         board = jnp.concatenate([obs, soon_free, jnp.ones_like(recency)], axis=-1)
         features = self.trunk(board)
         logits = nn.Dense(self.num_actions, kernel_init=POLICY_INIT, name="policy")(features)
-        # Masked logits are finite, so that 0 x log-prob stays 0 in the entropy.
-        if self.move_mask:
-            logits = jnp.where(
-                deadly_move_mask(obs[..., 0], soon_free[..., 0], self.num_actions), -1e9, logits
-            )
+        if self.move_mask:  # finite logits, so that 0 x log-prob stays 0 in the entropy
+            logits = jnp.where(deadly_move_mask(obs, soon_free, self.num_actions), -1e9, logits)
         if self.num_actions == 4:  # the fixed board's moves
             logits = jnp.where(reverse_move_mask(obs), -1e9, logits)
         value = nn.Dense(1, kernel_init=VALUE_INIT, name="value")(features)
@@ -233,11 +228,10 @@ class ActorCritic(nn.Module):
 
 
 def make_network(config: Config, num_actions: int) -> ActorCritic:
+    mask = config.move_mask
     if config.network == "conv":
-        trunk = ConvTrunk(config.conv_channels, config.hidden_size)
-    else:
-        trunk = TransformerTrunk(config.hidden_size)
-    return ActorCritic(trunk, num_actions, config.move_mask)
+        return ActorCritic(ConvTrunk(config.conv_channels, config.hidden_size), num_actions, mask)
+    return ActorCritic(TransformerTrunk(config.hidden_size), num_actions, mask)
 
 
 def categorical_log_prob(logits: Array, action: Array) -> Array:
@@ -430,13 +424,7 @@ def ppo_loss(
         values, minibatch.value, minibatch.target, config.clip_coef, config.clip_vloss
     )
     loss = policy_loss_value - config.ent_coef * entropy + config.vf_coef * value_loss_value
-    return loss, Losses(
-        value_loss=value_loss_value,
-        policy_loss=policy_loss_value,
-        entropy=entropy,
-        approx_kl=approx_kl,
-        clip_frac=clip_frac,
-    )
+    return loss, Losses(value_loss_value, policy_loss_value, entropy, approx_kl, clip_frac)
 
 
 def rewind_points(
