@@ -424,7 +424,13 @@ def ppo_loss(
         values, minibatch.value, minibatch.target, config.clip_coef, config.clip_vloss
     )
     loss = policy_loss_value - config.ent_coef * entropy + config.vf_coef * value_loss_value
-    return loss, Losses(value_loss_value, policy_loss_value, entropy, approx_kl, clip_frac)
+    return loss, Losses(
+        value_loss=value_loss_value,
+        policy_loss=policy_loss_value,
+        entropy=entropy,
+        approx_kl=approx_kl,
+        clip_frac=clip_frac,
+    )
 
 
 def rewind_points(
