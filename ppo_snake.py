@@ -69,7 +69,7 @@ class Config:
     max_grad_norm: float = 0.5  # clip the gradient to this global norm (optax.clip_by_global_norm)
     food_shaping: float = 1.0  # weight of the potential-based reward for steps towards the food
     rewind_prob: float = 0.5  # chance that a death rewinds its game to after the meal before last
-    move_mask: bool = True  # forbid moves into a wall, the body (the tail excepted) or a dead end
+    move_mask: bool = True  # forbid the moves into a wall or the body (the tail excepted)
     network: Literal["conv", "transformer"] = "conv"
     """trunk under the policy and value heads: a small CNN, or a transformer over the cells"""
     conv_channels: tuple[int, ...] = (16, 32)  # channels of each 3x3 convolution of the conv trunk
