@@ -142,36 +142,15 @@ def reverse_move_mask(obs: Array) -> Array:
     return highest & (neighbour_recency > 0)
 
 
-def shifted(x: Array, row: int, col: int) -> Array:
-    """y[..., r, c] = x[..., r - row, c - col]: x moved by (row, col) cells, zeros shifted in."""
-    rows, cols = x.shape[-2:]
-    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(1, 1), (1, 1)])
-    return padded[..., 1 - row : 1 - row + rows, 1 - col : 1 - col + cols]
-
-
-def room_after_move(obs: Array, soon_free: Array, num_actions: int) -> Array:
-    """int[..., num_actions]: the cells of the region each move enters, by a flood fill in which
-    a body cell joins the region R only if it is free after |R| moves (soon-free 1/k: free in k),
-    as the snake can make at most |R| moves in R, each into a new cell. 0 is envs.Snake's death
-    rule: a wall, or a body cell still held after the step (the tail leaves as the head enters)."""
-    free_in = jnp.where(soon_free[..., 0] > 0, jnp.round(1 / soon_free[..., 0]), 0)[..., None, :, :]
+def deadly_move_mask(obs: Array, soon_free: Array, num_actions: int) -> Array:
+    """bool[..., num_actions]: True for a move into a wall or into a body cell still held after
+    the next step (soon-free in (0, 1); the tail, 1, leaves as the head enters): envs.Snake's
+    death rule, read from the board. Boxed in, every move is masked and the policy is uniform."""
+    enterable = (soon_free == 0) | (soon_free == 1)  # zero beyond the board: a wall
+    around_head = jnp.einsum("...ij,...ijk->...k", obs[..., 0], patches_3x3(enterable * 1.0))
     # The egocentric view's head points up: left, straight and right enter these cells.
     moves = ((0, -1), (-1, 0), (0, 1)) if num_actions == 3 else envs.SNAKE_MOVES
-    entered = jnp.stack([shifted(obs[..., 0], row, col) for row, col in moves], axis=-3) > 0
-
-    def grow(region_and_growing: tuple[Array, Array]) -> tuple[Array, Array]:
-        region, _ = region_and_growing
-        near = functools.reduce(
-            jnp.logical_or, [shifted(region, *move) for move in envs.SNAKE_MOVES]
-        )
-        moves_in_region = region.sum((-2, -1), keepdims=True)
-        grown = region | (near & (free_in <= moves_in_region + 1))
-        return grown, jnp.any(grown != region)
-
-    region, _ = jax.lax.while_loop(
-        lambda c: c[1], grow, (entered & (free_in <= 1), jnp.bool_(True))
-    )
-    return region.sum((-2, -1))
+    return around_head[..., [3 * row + col + 4 for row, col in moves]] == 0
 
 
 class ConvTrunk(nn.Module):
@@ -241,12 +220,7 @@ class ActorCritic(nn.Module):
         features = self.trunk(board)
         logits = nn.Dense(self.num_actions, kernel_init=POLICY_INIT, name="policy")(features)
         if self.move_mask:  # finite logits, so that 0 x log-prob stays 0 in the entropy
-            # Deadly moves (no room), and dead ends: less room than the snake's length where
-            # another move has more. Boxed in, every move is masked and the policy is uniform.
-            room = room_after_move(obs, soon_free, self.num_actions)
-            length = jnp.sum(recency > 0, axis=(-3, -2))
-            enough = jnp.minimum(length, jnp.maximum(room.max(-1, keepdims=True), 1))
-            logits = jnp.where(room < enough, -1e9, logits)
+            logits = jnp.where(deadly_move_mask(obs, soon_free, self.num_actions), -1e9, logits)
         if self.num_actions == 4:  # the fixed board's moves
             logits = jnp.where(reverse_move_mask(obs), -1e9, logits)
         value = nn.Dense(1, kernel_init=VALUE_INIT, name="value")(features)
