@@ -57,7 +57,7 @@ class Config:
     anneal_lr: bool = True  # decay the learning rate linearly to 0 over training
     num_envs: int = 64  # parallel envs per seed
     num_steps: int = 128  # steps per env per rollout (an iteration: num_envs * num_steps)
-    gamma: float = 0.995  # discount factor; a good snake's episodes last a thousand steps
+    gamma: float = 0.999  # discount factor: a horizon of 1,000 steps, a good snake's whole game
     gae_lambda: float = 0.95  # lambda of generalised advantage estimation
     num_minibatches: int = 32  # minibatches per epoch; must divide num_envs * num_steps
     update_epochs: int = 2  # passes over each rollout
@@ -70,6 +70,7 @@ class Config:
     food_shaping: float = 1.0  # weight of the potential-based reward for steps towards the food
     rewind_prob: float = 0.5  # chance that a death rewinds its game to after the meal before last
     move_mask: bool = True  # forbid the moves into a wall or the body (the tail excepted)
+    shield: bool = True  # evaluation only: the greedy policy also avoids dead ends (docs/ppo.md)
     network: Literal["conv", "transformer"] = "conv"
     """trunk under the policy and value heads: a small CNN, or a transformer over the cells"""
     conv_channels: tuple[int, ...] = (16, 32)  # channels of each 3x3 convolution of the conv trunk
@@ -142,6 +143,15 @@ def reverse_move_mask(obs: Array) -> Array:
     return highest & (neighbour_recency > 0)
 
 
+def soon_free_channel(obs: Array) -> Array:
+    """[..., rows, cols, 1]: 1/k for a body cell free in k steps, else 0. The body channel (head 1
+    .. tail 1/length) barely tells the tail, which the head may enter, from the cell behind it,
+    which kills: tail / recency is 1/k."""
+    recency = obs[..., 1:2]
+    tail = jnp.min(jnp.where(recency > 0, recency, 1.0), axis=(-3, -2), keepdims=True)
+    return tail / jnp.where(recency > 0, recency, jnp.inf)
+
+
 def deadly_move_mask(obs: Array, soon_free: Array, num_actions: int) -> Array:
     """bool[..., num_actions]: True for a move into a wall or into a body cell still held after
     the next step (soon-free in (0, 1); the tail, 1, leaves as the head enters): envs.Snake's
@@ -151,6 +161,42 @@ def deadly_move_mask(obs: Array, soon_free: Array, num_actions: int) -> Array:
     # The egocentric view's head points up: left, straight and right enter these cells.
     moves = ((0, -1), (-1, 0), (0, 1)) if num_actions == 3 else envs.SNAKE_MOVES
     return around_head[..., [3 * row + col + 4 for row, col in moves]] == 0
+
+
+def shifted(x: Array, row: int, col: int) -> Array:
+    """y[..., r, c] = x[..., r - row, c - col]: x moved by (row, col) cells, zeros shifted in."""
+    rows, cols = x.shape[-2:]
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(1, 1), (1, 1)])
+    return padded[..., 1 - row : 1 - row + rows, 1 - col : 1 - col + cols]
+
+
+def room_after_move(obs: Array, num_actions: int) -> Array:
+    """int[..., num_actions]: the cells of the region each move enters, by a flood fill in which
+    a body cell joins the region R only if it is free after |R| moves (soon-free 1/k: free in k),
+    as the snake can make at most |R| moves in R, each into a new cell. 0 is envs.Snake's death
+    rule: a wall, or a body cell still held after the step (the tail leaves as the head enters)."""
+    soon_free = soon_free_channel(obs)[..., 0]
+    free_in = jnp.where(soon_free > 0, jnp.round(1 / soon_free), 0)[..., None, :, :]
+    moves = ((0, -1), (-1, 0), (0, 1)) if num_actions == 3 else envs.SNAKE_MOVES
+    entered = jnp.stack([shifted(obs[..., 0], row, col) for row, col in moves], axis=-3) > 0
+
+    def grow(region_and_growing: tuple[Array, Array]) -> tuple[Array, Array]:
+        region, _ = region_and_growing
+        near = functools.reduce(jnp.logical_or, [shifted(region, *m) for m in envs.SNAKE_MOVES])
+        moves_in_region = region.sum((-2, -1), keepdims=True)
+        grown = region | (near & (free_in <= moves_in_region + 1))
+        return grown, jnp.any(grown != region)
+
+    start = (entered & (free_in <= 1), jnp.bool_(True))
+    return jax.lax.while_loop(lambda c: c[1], grow, start)[0].sum((-2, -1))
+
+
+def dead_end_mask(obs: Array, num_actions: int) -> Array:
+    """bool[..., num_actions]: the shield. True for a move with no room, and for a dead end: less
+    room than the snake's length where another move has more (the largest region stays open)."""
+    room = room_after_move(obs, num_actions)
+    length = jnp.sum(obs[..., 1] > 0, axis=(-2, -1))[..., None]
+    return room < jnp.minimum(length, jnp.maximum(room.max(-1, keepdims=True), 1))
 
 
 class ConvTrunk(nn.Module):
@@ -210,13 +256,9 @@ class ActorCritic(nn.Module):
 
     @nn.compact
     def __call__(self, obs: Array) -> tuple[Array, Array]:
-        # The body channel (head 1 .. tail 1/length) barely tells the tail, which the head may
-        # enter, from the cell behind it, which kills: tail / recency is 1/k for a cell free in k.
-        recency = obs[..., 1:2]
-        tail = jnp.min(jnp.where(recency > 0, recency, 1.0), axis=(-3, -2), keepdims=True)
-        soon_free = tail / jnp.where(recency > 0, recency, jnp.inf)
+        soon_free = soon_free_channel(obs)
         # A channel of ones marks the board, so that the zero padding beyond it reads as wall.
-        board = jnp.concatenate([obs, soon_free, jnp.ones_like(recency)], axis=-1)
+        board = jnp.concatenate([obs, soon_free, jnp.ones_like(soon_free)], axis=-1)
         features = self.trunk(board)
         logits = nn.Dense(self.num_actions, kernel_init=POLICY_INIT, name="policy")(features)
         if self.move_mask:  # finite logits, so that 0 x log-prob stays 0 in the entropy
@@ -651,12 +693,15 @@ GIF_FRAMES = 200
 
 
 def make_greedy_policy(config: Config):
-    """(env, env_params, act(params, obs) -> the most probable move)."""
+    """(env, env_params, act(params, obs, shield) -> the most probable move, among the moves that
+    lead into no dead end if shield)."""
     env, env_params = make_env(config)
     network = make_network(config, env.num_actions)
 
-    def act(params: Params, obs: Array) -> Array:
+    def act(params: Params, obs: Array, shield: bool = config.shield) -> Array:
         logits, _ = network.apply(params, obs)
+        if shield:  # at evaluation only: in training it cost 1.4x and learnt less (docs/ppo.md)
+            logits = jnp.where(dead_end_mask(obs, env.num_actions), -jnp.inf, logits)
         return jnp.argmax(logits, axis=-1)
 
     return env, env_params, act
@@ -664,11 +709,12 @@ def make_greedy_policy(config: Config):
 
 def make_evaluate(config: Config, num_episodes: int):
     """evaluate(params, key) -> {"episode_return", "score", "win", "episode_length"}, each
-    [num_episodes], of the greedy policy; each episode played to its end (the hunger limit)."""
+    [num_episodes], of the greedy policy; each episode played to its end (the hunger limit). With
+    the shield, the same games without it too: "score_unshielded" and "win_unshielded"."""
     env, env_params, act = make_greedy_policy(config)
     full_board = config.env.grid_size**2
 
-    def episode(params: Params, key: PRNGKey) -> dict[str, Array]:
+    def episode(params: Params, key: PRNGKey, shield: bool) -> dict[str, Array]:
         key_reset, key_steps = jax.random.split(key)
 
         def running(carry) -> Array:
@@ -680,7 +726,7 @@ def make_evaluate(config: Config, num_episodes: int):
             # The episode's length is unknown beforehand: each step's key folds in its time.
             step_key = jax.random.fold_in(key_steps, env_state.time)
             obs, env_state, _, terminated, _ = env.step_env(
-                step_key, env_state, act(params, obs), env_params
+                step_key, env_state, act(params, obs, shield), env_params
             )
             return obs, env_state, terminated, env.is_truncated(env_state, env_params)
 
@@ -699,7 +745,11 @@ def make_evaluate(config: Config, num_episodes: int):
 
     def evaluate(params: Params, key: PRNGKey) -> dict[str, Array]:
         episode_keys = jax.random.split(key, num_episodes)
-        return jax.vmap(episode, in_axes=(None, 0))(params, episode_keys)
+        played = jax.vmap(functools.partial(episode, params, shield=config.shield))(episode_keys)
+        if config.shield:  # the same games with the policy's own moves: what it learnt alone
+            unshielded = jax.vmap(functools.partial(episode, params, shield=False))(episode_keys)
+            played |= {f"{name}_unshielded": unshielded[name] for name in ("score", "win")}
+        return played
 
     return evaluate
 

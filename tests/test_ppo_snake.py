@@ -155,6 +155,126 @@ def test_deadly_move_mask_is_the_envs_death_rule(egocentric):
     np.testing.assert_array_equal(masked, dies)
 
 
+def room_by_hand(body_order: np.ndarray, cell: tuple[int, int]) -> int:
+    """room_after_move's rule cell by cell: grow the region R from the entered cell, adding a
+    neighbour that is free (0) or free in k <= |R| + 1 moves, until nothing can be added."""
+    size = len(body_order)
+    if not (0 <= cell[0] < size and 0 <= cell[1] < size) or body_order[cell] > 1:
+        return 0
+    region, grew = {cell}, True
+    while grew:
+        near = {(r + dr, c + dc) for r, c in region for dr, dc in envs.SNAKE_MOVES}
+        near = {(r, c) for r, c in near - region if 0 <= r < size and 0 <= c < size}
+        joining = {n for n in near if body_order[n] <= len(region) + 1}
+        region, grew = region | joining, bool(joining)
+    return len(region)
+
+
+@pytest.mark.parametrize("egocentric", [True, False])
+def test_no_room_is_the_envs_death_rule(egocentric):
+    """Every move of every state of random play: room_after_move is 0 exactly when the env's step
+    kills, so the shield forbids every deadly move (the fixed board's move back into the neck,
+    which the env turns into "keep going", aside)."""
+    env, params, obs, states, keys = play_randomly(envs.Snake(egocentric=egocentric))
+    room = np.asarray(jax.jit(ppo.room_after_move, static_argnums=1)(obs, env.num_actions))
+    moves = np.arange(env.num_actions)
+    step = jax.vmap(jax.vmap(env.step_env, (None, None, 0, None)), (0, 0, None, None))
+    _, _, reward, done, info = jax.jit(step)(keys, states, moves, params)
+    dies = np.asarray(done & ~info["won"])
+    if not egocentric:
+        reverse = np.asarray(ppo.reverse_move_mask(obs))
+        room, dies = room[~reverse], dies[~reverse]
+    assert dies.mean() > 0.1
+    np.testing.assert_array_equal(room == 0, dies)
+
+
+def random_long_snakes(num_snakes: int, size: int = 6) -> np.ndarray:
+    """int[num_snakes, size, size] bodies (head = length .. tail 1): random self-avoiding walks
+    of up to 3 * size cells, which coil into pockets as random play's short snakes never do."""
+    rng = np.random.default_rng(0)
+    bodies = np.zeros((num_snakes, size, size), np.int64)
+    for body in bodies:
+        walk = [tuple(rng.integers(0, size, 2))]
+        while len(walk) < 3 * size:
+            r, c = walk[-1]
+            steps = [(r + dr, c + dc) for dr, dc in envs.SNAKE_MOVES]
+            steps = [p for p in steps if 0 <= min(p) and max(p) < size and p not in walk]
+            if not steps:
+                break
+            walk.append(steps[rng.integers(len(steps))])
+        for order, cell in enumerate(walk):  # the walk's first cell is the tail
+            body[cell] = order + 1
+    return bodies
+
+
+@pytest.mark.parametrize("egocentric", [True, False])
+def test_room_is_a_flood_fill_by_hand_and_the_shield_leaves_the_most_room(egocentric):
+    """Long random snakes, every heading and mirror: room_after_move equals room_by_hand; the
+    shield forbids the moves without room and those with less room than the snake's length where
+    another move has more, and never the move with the most room (unless it has none)."""
+    env, params = envs.Snake(egocentric=egocentric), envs.SnakeParams(grid_size=6)
+    bodies = random_long_snakes(1000)
+    heads = [np.argwhere(body == body.max())[0] for body in bodies]
+    state = env.reset(jax.random.key(0), params)[1]
+    states = jax.vmap(
+        lambda body, head, direction, mirrored: state.replace(
+            body=body, head=head, direction=direction, length=body.max(), mirrored=mirrored
+        )
+    )(
+        jnp.asarray(bodies, jnp.int32),
+        jnp.asarray(np.array(heads), jnp.int32),
+        jnp.arange(1000, dtype=jnp.int32) % 4,
+        jnp.arange(1000) % 8 < 4,
+    )
+    obs = jax.vmap(env.get_obs, (0, None))(states, params)
+    room = np.asarray(ppo.room_after_move(obs, env.num_actions))
+    view_moves = ((0, -1), (-1, 0), (0, 1)) if egocentric else envs.SNAKE_MOVES
+    body_order = np.round(np.asarray(obs[..., 1]) * bodies.max((1, 2))[:, None, None])
+    for i, view in enumerate(body_order):
+        head = np.argwhere(view == view.max())[0]
+        by_hand = [room_by_hand(view, (head[0] + r, head[1] + c)) for r, c in view_moves]
+        np.testing.assert_array_equal(room[i], by_hand)
+    length = bodies.max((1, 2))[:, None]
+    dead_end = (room < np.minimum(length, room.max(-1, keepdims=True))) & (room > 0)
+    assert dead_end.sum() > 20 and ((room > 0) & (room < 36)).sum() > 80  # pockets of all sizes
+    shielded = np.asarray(ppo.dead_end_mask(obs, env.num_actions))
+    np.testing.assert_array_equal(shielded, (room == 0) | dead_end)
+    most_room = np.take_along_axis(shielded, room.argmax(-1)[:, None], axis=-1)[:, 0]
+    np.testing.assert_array_equal(most_room, room.max(-1) == 0)
+
+
+def pocket_state() -> tuple[envs.Snake, envs.SnakeParams, envs.SnakeState]:
+    """Fixed board, a snake of 12 whose head at (1, 0) has a 2-cell pocket (1, 1)-(1, 2) on its
+    right, closed by body cells that stay for 4 moves or more; below it, the open board."""
+    env = envs.Snake()
+    params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
+    _, state = env.reset(jax.random.key(0), params)
+    head_to_tail = [(1, 0), (0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (2, 3), (2, 2), (2, 1)]
+    head_to_tail += [(3, 1), (3, 2), (3, 3)]
+    body = jnp.zeros((6, 6), jnp.int32)
+    for free_in, cell in enumerate(reversed(head_to_tail), start=1):
+        body = body.at[cell].set(free_in)
+    state = state.replace(body=body, head=jnp.array([1, 0]), length=jnp.int32(12))
+    return env, params, state.replace(direction=jnp.int32(2), food=jnp.array([1, 2]))
+
+
+def test_the_shield_turns_a_greedy_policy_away_from_a_pocket_smaller_than_the_snake():
+    """The pocket holds the food and the policy's bias points right, into it: greedy without the
+    shield it enters the pocket; with the shield it goes down, into the open board (the moves:
+    up, right, down, left)."""
+    env, params, state = pocket_state()
+    obs = env.get_obs(state, params)
+    # Down: the 24 free cells, then every body cell as the tail leaves it: the whole board.
+    np.testing.assert_array_equal(ppo.room_after_move(obs, 4), [0, 2, 36, 0])
+    np.testing.assert_array_equal(ppo.dead_end_mask(obs, 4), [True, True, False, True])
+    config = dataclasses.replace(ppo.Config(), env=ppo.EnvConfig(grid_size=6, egocentric=False))
+    _, _, act = ppo.make_greedy_policy(config)
+    network = ppo.make_network(config, 4)
+    variables = network.init(jax.random.key(0), obs)
+    variables["params"]["policy"]["bias"] = jnp.array([0.0, 100.0, 0.0, 0.0])
+    assert act(variables, obs, shield=False) == 1 and act(variables, obs) == 2
+
+
 def test_a_boxed_in_snake_has_every_move_masked_and_a_uniform_policy():
     """A snake of 6 curled into the top-left corner, its head in the corner facing the wall."""
     env = envs.Snake(egocentric=True)
@@ -443,11 +563,17 @@ def test_evaluate_and_render_shapes(two_seed_run):
     keys = ppo.seed_keys(config)
     params = ppo.trained_params(state)
     episodes = jax.jit(jax.vmap(ppo.make_evaluate(config, EVAL_EPISODES)))(params, keys.evaluate)
-    assert set(episodes) == {"episode_return", "score", "win", "episode_length"}
+    unshielded = {"score_unshielded", "win_unshielded"}  # the same games without the shield
+    assert set(episodes) == {"episode_return", "score", "win", "episode_length"} | unshielded
     for values in episodes.values():
         assert values.shape == (2, EVAL_EPISODES)
     died = episodes["score"] - episodes["episode_return"]
     assert np.isin(np.asarray(died), [0.0, 1.0]).all()
+    no_shield = dataclasses.replace(config, shield=False)
+    alone = jax.jit(jax.vmap(ppo.make_evaluate(no_shield, EVAL_EPISODES)))(params, keys.evaluate)
+    assert set(alone) == {"episode_return", "score", "win", "episode_length"}
+    for name in ["score", "win"]:
+        np.testing.assert_array_equal(alone[name], episodes[f"{name}_unshielded"])
     render, seconds_per_frame = ppo.make_render(config)
     frames = jax.jit(render)(jax.tree.map(lambda x: x[0], params), keys.render[0])
     cell_pixels = 120 // 6
@@ -650,6 +776,8 @@ def test_run_writes_every_output(finished_run, compile_cache):
         "final_score",
         "final_win",
         "final_episode_length",
+        "final_score_unshielded",
+        "final_win_unshielded",
         "train_seconds",
         "compile_seconds",
         "env_steps_per_second",
@@ -877,16 +1005,17 @@ def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path, compile_ca
 
 @pytest.mark.slow
 def test_short_run_learns_to_eat():
-    """Four seeds, 163,840 env steps each on a 6x6 board (35 food fill it) with a small CNN and
-    the default egocentric view and move mask. Uniformly random moves eat about 0.15 food per
-    episode; near-uniform play over the moves the mask leaves dies only boxed in and eats far
-    more (4.2-6.3 in the first chunk). The bars come from measured runs with a wide margin
-    (seeds 1-8 with the defaults: 4.2-6.3 in the first chunk, greedy 16.2-22.45, median 18.6;
-    without the mask 0.22-0.28 and 13.35-19.6, median 16.1; the fixed board's view: 2.5-6.0;
-    docs/ppo.md): every seed below 8 in the first chunk (it starts near random play), then a
-    greedy score over 20 episodes of at least 10 on every seed and 14 on the median one. No
-    single seed's path is asserted, since XLA's CPU code (and so each trajectory) differs
-    between processors."""
+    """Four seeds, 163,840 env steps each on a 6x6 board (35 food fill it) with a small CNN,
+    gamma 0.995 and the default egocentric view, move mask and shield. Uniformly random moves eat
+    about 0.15 food per episode; near-uniform play over the moves the mask leaves dies only boxed
+    in and eats far more (4.2-6.3 in the first chunk). The bars come from measured runs with a
+    wide margin (seeds 1-8: 4.2-6.3 in the first chunk, greedy 17.2-22.7, median 18.7, and
+    16.2-22.45 without the shield; without the mask 0.22-0.28 and 13.35-19.6; the fixed board's
+    view: 2.5-6.0; the 10x10 default's gamma 0.999, a horizon for 1,000-step games, learns more
+    slowly in so short a run: greedy 7.15-9.6; docs/ppo.md): every seed below 8 in the first
+    chunk (it starts near random play), then a greedy score over 20 episodes of at least 10 on
+    every seed and 14 on the median one. No single seed's path is asserted, since XLA's CPU code
+    (and so each trajectory) differs between processors."""
     config = dataclasses.replace(
         ppo.Config(),
         num_seeds=4,
@@ -899,6 +1028,7 @@ def test_short_run_learns_to_eat():
         update_epochs=2,
         total_timesteps=163_840,
         log_every=16_384,
+        gamma=0.995,
     )
     keys = ppo.seed_keys(config)
     _, _, train = ppo.make_train(config)
