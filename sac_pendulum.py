@@ -654,6 +654,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -686,7 +687,7 @@ def command_line_defaults(config: Config) -> Config:
 class Options:
     """What a run writes, shows and runs on: nothing here changes what is learned."""
 
-    output_dir: str | None = None  # where the outputs go; None: runs/<script>__<seed>__<time>
+    output_dir: str | None = None  # None: a new runs/<script>[_eval]__<seed>__<time>_<random>
     overwrite: bool = False  # write into an --output-dir that holds files (replacing ours only)
     eval_episodes: int = EVAL_EPISODES  # evaluation episodes per run (the deterministic policy)
     save_model: bool = True  # write model.msgpack (every run's parameters and the config)
@@ -721,8 +722,8 @@ def validate(config: Config) -> None:
         require(getattr(config, name) >= 1, name, ">= 1", getattr(config, name))
     for name in ("policy_lr", "q_lr", "alpha", "log_every"):
         require(getattr(config, name) > 0, name, "> 0", getattr(config, name))
-    for name, value in vars(config.env).items():
-        require(value > 0, f"env.{name}", "> 0", value)
+    for name, value in vars(config.env).items():  # physics whose default is positive stay so
+        require(value > 0 or getattr(EnvConfig(), name) <= 0, f"env.{name}", "> 0", value)
     last_seed = 2**31 - config.num_seeds  # every run's seed fits in int32
     require(0 <= config.seed <= last_seed, "seed", f"in [0, {last_seed}]", config.seed)
     require(0 < config.gamma <= 1, "gamma", "in (0, 1]", config.gamma)
@@ -806,8 +807,7 @@ def describe(point: Point) -> str:
 
 
 def sweep_grid(config: Config) -> list[Point]:
-    """Every combination of the --sweep values (one empty point without --sweep); UsageError for
-    a field that cannot be swept and for a value that is not a number or that validate rejects."""
+    """Every combination of the --sweep values (one empty point without --sweep), validated."""
     require(config.sweep != (), "sweep", "followed by NAME=V1,V2,... entries", "none")
     values: dict[str, list[float]] = {}
     for entry in config.sweep or ():
@@ -838,8 +838,7 @@ def runs_text(config: Config, grid: list[Point]) -> str:
 
 
 class SeedKeys(NamedTuple):
-    """Per run, three independent keys split once from the run's seed: raw uint32 keys
-    (jax.random.PRNGKey), which a checkpoint holds as they are."""
+    """Per run, three keys split once from its seed (raw uint32 keys, as a checkpoint holds)."""
 
     train: PRNGKey
     evaluate: PRNGKey
@@ -854,6 +853,8 @@ def seed_keys(config: Config, num_points: int = 1) -> SeedKeys:
 
 
 # ---- outputs ----
+
+say_once = functools.cache(print)  # a line that a loop may ask for again is printed once
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -878,12 +879,11 @@ def jitted_render(config: Config) -> tuple[Callable, float]:
 
 
 def render_policy(config: Config, params: Params, key: PRNGKey) -> np.ndarray | None:
-    """One episode of the policy as frames; None, and one line saying so, where the env has no
-    renderer (a copied script on another env, say)."""
+    """One episode of the policy as frames; None (said once) where the env has no renderer."""
     try:
         return np.asarray(jitted_render(config)[0](params, key))
     except Exception as error:  # whatever it is, the run's model and summary are written first
-        print(f"{SCRIPT}: no policy.gif or policy panel: {env_name(config)} is not drawn ({error})")
+        say_once(f"{SCRIPT}: no policy.gif or panel: {env_name(config)} is not drawn ({error})")
         return None
 
 
@@ -906,8 +906,7 @@ def gif(frames: np.ndarray, seconds_per_frame: float, caption: str) -> bytes:
 
 
 def new_figure(live: bool) -> Any:
-    """A figure for the curves, with a row for the policy if --live: a window where there is a
-    display (pyplot's), else a plain matplotlib Figure."""
+    """The curves' figure, with a policy row if --live: a window where there is a display."""
     import matplotlib.pyplot as plt  # here: it is slow to import
 
     window = live and plt.get_backend().lower() not in ("agg", "pdf", "svg")
@@ -919,9 +918,8 @@ def new_figure(live: bool) -> Any:
 
 
 def draw_curves(figure: Any, config: Config, grid: list[Point], rows: list[dict], frames) -> None:
-    """Every metric against env steps from the rows so far (grid point major, then seed): per
-    grid point the mean over its seeds and their min-max band; below them, where given, the middle
-    frame of an episode of the first run's policy. Redrawn whole; drawn while a chunk runs."""
+    """Every metric against env steps (rows grid point major, then seed): per grid point the mean
+    over its seeds and their min-max band; below, where given, the middle frame of the policy."""
     from matplotlib.ticker import EngFormatter
 
     figure.clear()
@@ -950,12 +948,6 @@ def draw_curves(figure: Any, config: Config, grid: list[Point], rows: list[dict]
     figure.canvas.draw_idle()  # a --live window shows it at its next events
 
 
-def save_figure(figure: Any, path: Path) -> None:
-    data = io.BytesIO()
-    figure.savefig(data, format="png", dpi=80)
-    write_atomic(path, data.getvalue())
-
-
 # ---- checkpoints: model.msgpack (parameters) and checkpoint.msgpack (the whole train state) ----
 
 
@@ -977,6 +969,13 @@ def flat(config: Config) -> dict[str, Any]:
     """Every field under its command-line name (the env's as env.<name>)."""
     fields = {name: value for name, value in vars(config).items() if name != "env"}
     return fields | {f"env.{name}": value for name, value in vars(config.env).items()}
+
+
+def space_shapes(config: Config) -> tuple:
+    """The observation's shape and the action space's (and, if discrete, its count)."""
+    env, env_params = make_env(config)
+    actions = env.action_space(env_params)
+    return env.observation_space(env_params).shape, actions.shape, getattr(actions, "n", None)
 
 
 def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict]:
@@ -1001,11 +1000,9 @@ def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict
     for name, value in given.items():
         if name not in physics and value != flat(saved)[name]:
             raise UsageError(f"--{name.replace('_', '-')} is set by the checkpoint; leave it out")
-    env, env_params = make_env(saved)
-    spaces = (env.observation_space(env_params).shape, env.num_actions)
+    spaces = space_shapes(saved)
     saved = with_values(saved, physics)
-    env, env_params = make_env(saved)
-    if spaces != (env.observation_space(env_params).shape, env.num_actions):
+    if spaces != space_shapes(saved):
         flags = " ".join(f"--{name.replace('_', '-')}" for name in physics)
         raise UsageError(f"{flags} with --load-model must keep the obs and action shapes")
     validate(saved)  # the checkpoint's values meet this script's ranges too
@@ -1024,9 +1021,7 @@ def start_distributed(options: Options) -> None:
         )
     except (ValueError, TypeError) as error:
         flags = "--coordinator-address HOST:PORT --num-processes N --process-id I"
-        raise UsageError(
-            f"--distributed: {error} (with no cluster detected, give {flags})"
-        ) from None
+        raise UsageError(f"--distributed: {error}; without a cluster, give {flags}") from None
 
 
 def is_lead() -> bool:
@@ -1054,8 +1049,7 @@ def abort(signum: int, frame: Any) -> None:
 
 
 def stop_on_signals(stop: list[int]) -> None:
-    """The first Ctrl-C or SIGTERM (a scheduler's notice) asks the loop to stop after the chunk in
-    progress and to exit with 130 or 143 (stop[0]), as a shell expects; a second Ctrl-C aborts."""
+    """A first Ctrl-C or SIGTERM stops after the chunk (exit 130 or 143), a second Ctrl-C aborts."""
 
     def request_stop(signum: int, frame: Any) -> None:
         if stop[0] and signum == signal.SIGINT:
@@ -1089,8 +1083,7 @@ def chunk_rows(config: Config, grid: list[Point], metrics: Metrics, before: dict
 
 
 def progress(metrics: Metrics, new_rows: list[dict], before: dict, total: int) -> str:
-    """Env steps, the rates of all runs together, the training return over runs, the main
-    losses, the time so far and to go."""
+    """Env steps, rates of all runs together, train return over runs, losses, time and ETA."""
     now = new_rows[0]  # every run has made as many env steps and updates
     updates = len(new_rows) * (now["updates"] - before["updates"])
     updates /= now["wall_seconds"] - before["wall_seconds"]
@@ -1129,9 +1122,8 @@ def train_and_log(
     saved: dict | None,
     stop: list[int],
 ) -> tuple[TrainState, dict]:
-    """Every run (grid point x seed) in one program: the jitted, vmapped run_chunk once per chunk
-    with the train state donated (updated in place, never copied). The next chunk is dispatched
-    before this one is logged and drawn, so that the device does not wait for the host."""
+    """Every run in one program: the vmapped run_chunk once per chunk, the state donated (updated
+    in place); the next chunk is dispatched before this one is logged, so the device never waits."""
 
     def init(key: PRNGKey, values: Point) -> TrainState:
         return make_train(with_values(config, values))[0](key)
@@ -1184,7 +1176,7 @@ def train_and_log(
         every = max(options.checkpoint_every // steps_per_chunk, 1)  # in whole chunks
         due = options.checkpoint_every > 0 and (chunk + 1) % every == 0 and not finished
         saved_state = fetch(state) if stopped or due else None  # before the state is donated
-        live_params = first_run(trained_params(state)) if options.live else None
+        policy = first_run(trained_params(state)) if options.live else None  # the first run's
         if not (finished or stopped):  # runs while this chunk is logged and drawn
             state, pending = run_chunks(state, jnp.int32(chunk + 1), values)
         before = rows[-1] if rows else {"env_steps": 0, "updates": 0, "wall_seconds": 0.0}
@@ -1209,13 +1201,13 @@ def train_and_log(
         due = finished or stopped or 0 < options.plot_every <= time.perf_counter() - drawn
         if is_lead() and (options.live or options.plot and due):
             first = with_values(config, grid[0])
-            frames = (
-                render_policy(first, live_params, first_run(keys.render)) if options.live else None
-            )
+            frames = render_policy(first, policy, first_run(keys.render)) if options.live else None
             figure = figure or new_figure(options.live)
             draw_curves(figure, config, grid, rows, frames)
         if is_lead() and options.plot and due:
-            save_figure(figure, out / "curves.png")
+            png = io.BytesIO()
+            figure.savefig(png, format="png", dpi=80)
+            write_atomic(out / "curves.png", png.getvalue())
             drawn = time.perf_counter()
         if stopped:
             break
@@ -1238,67 +1230,75 @@ def train_and_log(
 
 
 def main(config: Config, options: Options) -> None:
-    started = time.time()  # the files written from here on are this run's
+    """What `python <script>.py` does; the Ctrl-C and SIGTERM handlers are left as it found them."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        compile_cache = enable_compile_cache(options)  # before anything starts JAX's backend
-        check_options(options)
-        validate(config)
-        if options.distributed:  # before anything starts JAX's backend (load_checkpoint does)
-            start_distributed(options)
-        path = Path(options.resume or options.load_model or "")  # a run folder, or its file
-        if path.is_dir():  # --load-model: its model.msgpack if any; --resume: its checkpoint
-            model = path / "model.msgpack"
-            path = model if options.eval_only and model.is_file() else path / "checkpoint.msgpack"
-        if options.resume and not path.exists() and (path.parent / "summary.json").exists():
-            print(f"{SCRIPT}: {path.parent} holds a finished run; nothing to resume")
-            sys.exit(0)  # (its checkpoint was removed when it finished)
-        saved = None
-        if options.resume or options.eval_only:
-            flag = "--resume" if options.resume else "--load-model"
-            config, saved = load_checkpoint(path, config, flag)
-        grid = sweep_grid(config)
-        num_runs = len(grid) * config.num_seeds
-        devices = jax.devices()  # of every process: the runs are sharded over all of them
-        divides = f"such that the {num_runs} runs divide over the {len(devices)} devices"
-        require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
-        sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
-        keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
-        if options.resume:  # the saved train state, checked against the layout init makes
-            layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys.train)
-            try:
-                state = flax.serialization.from_state_dict(layout, saved["state"])
-            except (KeyError, ValueError, TypeError):
-                state = None
-            if state is None or jax.tree.map(np.shape, state) != jax.tree.map(np.shape, layout):
-                raise UsageError(f"--resume {path} holds no train state of this run")
-            saved["state"] = state
-        out = Path(options.output_dir or f"runs/{SCRIPT}__{config.seed}__{int(time.time())}")
-        out = path.parent if options.resume else out
-        if is_lead():  # process 0 writes every output
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-            except OSError as error:
-                raise UsageError(f"--output-dir {out}: cannot make it ({error.strerror})") from None
-            if any(out.iterdir()) and not (options.overwrite or options.resume):
-                raise UsageError(f"--output-dir {out} holds files: --overwrite writes there")
-    except UsageError as error:
+        train_evaluate_and_write(config, options)
+    except UsageError as error:  # found before anything compiles
         print(f"{SCRIPT}.py: error: {error}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        say_once.cache_clear()  # the next run says its lines again
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def train_evaluate_and_write(config: Config, options: Options) -> None:
+    started = time.time()  # the files written from here on are this run's
+    compile_cache = enable_compile_cache(options)  # before anything starts JAX's backend
+    check_options(options)
+    validate(config)
+    if options.distributed:  # before anything starts JAX's backend (load_checkpoint does)
+        start_distributed(options)
+    path = Path(options.resume or options.load_model or "")  # a run folder, or its file
+    if path.is_dir():  # --load-model: its model.msgpack if any; --resume: its checkpoint
+        model = path / "model.msgpack"
+        path = model if options.eval_only and model.is_file() else path / "checkpoint.msgpack"
+    if options.resume and not path.exists() and (path.parent / "summary.json").exists():
+        print(f"{SCRIPT}: {path.parent} is a finished run or evaluation: nothing to resume")
+        sys.exit(0)  # (its checkpoint was removed when it finished)
+    saved = None
+    if options.resume or options.eval_only:
+        flag = "--resume" if options.resume else "--load-model"
+        config, saved = load_checkpoint(path, config, flag)
+    grid = sweep_grid(config)
+    num_runs = len(grid) * config.num_seeds
+    devices = jax.devices()  # of every process: the runs are sharded over all of them
+    divides = f"such that the {num_runs} runs divide over the {len(devices)} devices"
+    require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
+    sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
+    keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
+    if options.resume:  # the saved train state, checked against the layout init makes
+        layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys.train)
+        try:
+            state = flax.serialization.from_state_dict(layout, saved["state"])
+        except (KeyError, ValueError, TypeError):
+            state = None
+        if state is None or jax.tree.map(np.shape, state) != jax.tree.map(np.shape, layout):
+            raise UsageError(f"--resume {path} holds no train state of this run")
+        saved["state"] = state
+    out = path.parent if options.resume else Path(options.output_dir or "runs")
+    if is_lead():  # process 0 writes every output
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"--output-dir {out}: cannot make it ({error.strerror})") from None
+        if not (options.output_dir or options.resume):  # a new folder, even in the same second
+            prefix = f"{SCRIPT}{'_eval' if options.eval_only else ''}__{config.seed}__"
+            out = Path(tempfile.mkdtemp(prefix=f"{prefix}{int(time.time())}_", dir=out))
+        if any(out.iterdir()) and not (options.overwrite or options.resume):
+            raise UsageError(f"--output-dir {out} holds files: --overwrite writes there")
     if not is_lead():
         print(f"{SCRIPT}: process {jax.process_index()}, a worker; process 0 writes", flush=True)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # process 0 speaks
     stop = [0]  # a Ctrl-C or SIGTERM once training runs: it ends with the run's outputs
-    where = (
-        f"{len(devices)} device(s) ({devices[0].device_kind}), {jax.process_count()} process(es)"
-    )
-    runs = f"{runs_text(config, grid)} x {config.num_envs} envs"
-    print(f"{SCRIPT}: {env_name(config)}, {runs} on {where}; compile cache: {compile_cache}")
+    runs = f"{runs_text(config, grid)} x {config.num_envs} envs on {len(devices)} device(s)"
+    where = f"({devices[0].device_kind}), {jax.process_count()} process(es)"
+    print(f"{SCRIPT}: {env_name(config)}, {runs} {where}; compile cache: {compile_cache}")
     if is_lead():
         write_atomic(out / "config.json", json.dumps(dataclasses.asdict(config), indent=2))
-    by_run = {
-        name: np.repeat([point[name] for point in grid], config.num_seeds) for name in grid[0]
-    }
-    values = jax.device_put(jax.tree.map(np.float32, by_run), sharding)  # each process its runs
+    swept = {name: np.repeat([point[name] for point in grid], config.num_seeds) for name in grid[0]}
+    values = jax.device_put(jax.tree.map(np.float32, swept), sharding)  # each process its runs
     if options.eval_only:
         params = jax.device_put(saved["params"], sharding)
         summary = {"model": str(path), "stopped_early": False, "exit_status": 0}

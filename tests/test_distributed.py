@@ -229,7 +229,7 @@ def test_without_a_cluster_distributed_says_what_to_give(tmp_path):
         },
     )
     assert result.returncode == 2 and result.stdout == ""
-    assert "with no cluster detected, give" in result.stderr
+    assert "without a cluster, give" in result.stderr
     assert len(result.stderr.splitlines()) == 1
     assert "--coordinator-address HOST:PORT --num-processes N --process-id I" in result.stderr
 
