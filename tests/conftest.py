@@ -1,0 +1,21 @@
+"""One JAX compilation cache for the whole test session, as a user's runs share theirs.
+
+Many tests compile the same small programs: in-process, in the scripts they start as
+subprocesses, and on each pytest-xdist worker. With one persistent cache (a fresh folder per
+session, removed at its end; `JAX_COMPILATION_CACHE_DIR` set beforehand is used instead and kept)
+a program compiled once is loaded everywhere else. The thresholds are 0 so that small CPU
+programs are stored too, and the size bound turns on JAX's file lock, so that two processes
+never read an entry while it is written. Tests of the cache itself give their own folder.
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller's, inherited by its workers
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-cache-tests-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
