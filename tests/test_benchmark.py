@@ -31,6 +31,7 @@ def check_stamped(rows: list[dict]) -> None:
         assert row["device"] and row["jax_version"] and row["date"]
 
 
+@pytest.mark.slow
 def test_train_and_seeds_write_rows_and_plots(tmp_path: Path) -> None:
     output = tmp_path / "benchmarks.json"
     rows = benchmark(
@@ -84,6 +85,7 @@ def test_train_and_seeds_write_rows_and_plots(tmp_path: Path) -> None:
     assert (tmp_path / "benchmark_seeds.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_solve_reads_the_scripts_summary(tmp_path: Path) -> None:
     output = tmp_path / "benchmarks.json"
     rows = benchmark(
@@ -120,6 +122,7 @@ def test_first_crossing_seconds() -> None:
     assert first_crossing_seconds(metrics, 495.0) is None
 
 
+@pytest.mark.slow
 def test_launch_times_cold_and_warm_compile_caches(tmp_path: Path) -> None:
     output = tmp_path / "benchmarks.json"
     rows = benchmark(
@@ -139,6 +142,7 @@ def test_launch_times_cold_and_warm_compile_caches(tmp_path: Path) -> None:
     check_stamped(rows)
 
 
+@pytest.mark.slow
 def test_versus_compares_two_trees_side_by_side(tmp_path: Path) -> None:
     """The baseline is a copy of this tree: each side runs its own benchmark.py and scripts."""
     baseline = tmp_path / "baseline"
@@ -170,6 +174,7 @@ def test_versus_compares_two_trees_side_by_side(tmp_path: Path) -> None:
     check_stamped(rows)
 
 
+@pytest.mark.slow
 def test_sweep_times_one_program_against_one_process_per_run(tmp_path: Path) -> None:
     """It also checks that the single runs end where the sweep's runs do."""
     output = tmp_path / "benchmarks.json"
@@ -190,6 +195,7 @@ def test_sweep_times_one_program_against_one_process_per_run(tmp_path: Path) -> 
     check_stamped(rows)
 
 
+@pytest.mark.slow
 def test_distributed_times_one_process_against_two(tmp_path: Path) -> None:
     output = tmp_path / "benchmarks.json"
     rows = benchmark(

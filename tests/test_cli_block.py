@@ -131,7 +131,8 @@ def test_eval_only_names_its_model_and_evaluates_under_other_physics(pendulum_ru
     """A run folder is a --load-model too; --env.* flags that keep the shapes change the physics
     (a robustness check) and land in config.json; summary.json names the model."""
     flags = ["--eval-only", "--load-model", str(pendulum_run), "--eval-episodes", "4"]
-    heavy = test_sac_pendulum.run(*flags, "--env.m", "2.0", "--output-dir", str(tmp_path / "m"))
+    heavy = ["--env.m", "2.0", "--no-capture-gif", "--output-dir", str(tmp_path / "m")]
+    heavy = test_sac_pendulum.run(*flags, *heavy)
     assert heavy.returncode == 0, heavy.stderr
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["env"]["m"] == 2.0 and config["hidden_sizes"] == [16, 16]  # the model's own

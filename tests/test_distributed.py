@@ -25,16 +25,19 @@ import sac_pendulum
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
-# Four runs: a sweep (2 grid points x 2 seeds) of a SAC script and 4 seeds of a PPO script.
+# Four runs: a sweep (2 grid points x 2 seeds) of a SAC script and 4 seeds of a PPO script,
+# without the GIF and the curves (their rendering is tested on one process elsewhere).
+QUIET = ["--no-capture-gif", "--no-plot"]
 RUNS = {
     "sac_pendulum": [
         *test_sac_pendulum.TINY_FLAGS,
+        *QUIET,
         "--sweep",
         "gamma=0.9,0.99",
         "--num-seeds",
         "2",
     ],
-    "ppo_cartpole": [*test_ppo_cartpole.TINY_FLAGS, "--num-seeds", "4"],
+    "ppo_cartpole": [*test_ppo_cartpole.TINY_FLAGS, *QUIET, "--num-seeds", "4"],
 }
 TIMED_COLUMNS = ("wall_seconds", "sps")  # differ from run to run
 
@@ -108,6 +111,7 @@ def checkpoint_params(path: Path) -> list[np.ndarray]:
     return jax.tree.leaves(payload["params"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", list(RUNS))
 def test_two_processes_train_and_evaluate_what_one_process_does(script, tmp_path):
     """4 runs on 2 processes x 2 CPU devices against the same 4 runs in one process with 4
@@ -152,11 +156,12 @@ def test_two_processes_train_and_evaluate_what_one_process_does(script, tmp_path
     assert not (tmp_path / "eval" / "p1").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_worker_stops_every_process_after_the_chunk(tmp_path):
     """SIGINT to process 1 alone: both stop after the chunk (exit 130, as after Ctrl-C), and
     process 0 writes the outputs of what was trained."""
     flags = [*test_sac_pendulum.TINY_FLAGS, "--total-timesteps", "1000000", "--num-seeds", "2"]
-    lead, worker = start_pair("sac_pendulum", flags, tmp_path, devices=1)
+    lead, worker = start_pair("sac_pendulum", [*flags, *QUIET], tmp_path, devices=1)
     metrics = tmp_path / "p0" / "metrics.csv"
     deadline = time.monotonic() + 240
     while not metrics.exists() and lead.poll() is None and time.monotonic() < deadline:
@@ -171,6 +176,7 @@ def test_ctrl_c_on_a_worker_stops_every_process_after_the_chunk(tmp_path):
     assert "Ctrl-C: stopping after this chunk" in output(tmp_path / "p1")[1]  # the worker's stderr
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_every_process_and_process_0_says_so(tmp_path):
     """Every process holds every run's metrics, so all stop after the same chunk (exit 1); the
     message comes once, from process 0, and what it wrote stays valid."""

@@ -1,6 +1,8 @@
 """Tests of ppo_cartpole.py: the maths on hand-made numbers, the initialisers, seeds and
-determinism of the pure core, the CLI contract (in process and in subprocesses) and, marked
-slow, that the default config learns."""
+determinism of the pure core, the CLI contract where it depends on the script (in process and in
+subprocesses) and, marked slow, that the default config learns. The command-line block's own
+behaviour (Ctrl-C, output folders, the compile cache, refused files) is tested once, in
+test_sac_pendulum.py: test_cli_block.py keeps the four blocks one."""
 
 import csv
 import dataclasses
@@ -12,7 +14,6 @@ import sys
 from pathlib import Path
 
 import chex
-import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -489,46 +490,6 @@ def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
-    out, _ = finished_run
-    payload = flax.serialization.msgpack_restore((out / "model.msgpack").read_bytes())
-    other = tmp_path / "other.msgpack"
-    other.write_bytes(
-        flax.serialization.msgpack_serialize(
-            {**payload, "script": "sac_pendulum", "env": "Pendulum-v1"}
-        )
-    )
-    garbage = tmp_path / "garbage.msgpack"
-    garbage.write_bytes(b"\x80")  # an empty msgpack map
-    text = tmp_path / "notes.txt"
-    text.write_text("a secret line that must not be echoed\n" * 50)
-    for path, expected in [
-        (other, "sac_pendulum checkpoint for Pendulum-v1"),
-        (garbage, "is not a checkpoint of"),
-        (text, "is not a checkpoint of"),
-    ]:
-        result = run("--eval-only", "--load-model", str(path))
-        assert result.returncode == 2 and expected in result.stderr, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1 and "secret" not in result.stderr
-
-
-def test_compile_cache_is_where_the_first_line_says_and_off_on_request(finished_run, tmp_path):
-    out, _ = finished_run
-    evaluate = ["--eval-only", "--load-model", str(out / "model.msgpack"), "--no-capture-gif"]
-    cache = tmp_path / "cache"
-    flags = [*evaluate, "--output-dir", str(tmp_path / "cached")]
-    result = run(*flags, env={"JAX_COMPILATION_CACHE_DIR": str(cache)})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[0].endswith(f"compile cache: {cache}")
-    assert any(cache.iterdir())  # the programs were stored for the next run
-    home = tmp_path / "home"  # where the default cache would go
-    flags = [*evaluate, "--no-compile-cache", "--output-dir", str(tmp_path / "uncached")]
-    result = run(*flags, env={"XDG_CACHE_HOME": str(home)})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[0].endswith("compile cache: off (--no-compile-cache)")
-    assert not home.exists()
-
-
 def test_two_devices_shard_the_seeds_and_match_the_pure_train(tiny_runs, tmp_path):
     """Seeds over 2 (forced) CPU devices: the CLI's chunk loop gives the metrics of train(key)."""
     config, (_, metrics), _, _ = tiny_runs
@@ -555,53 +516,6 @@ def test_non_finite_loss_stops_with_chunk_seed_and_metric(compile_cache, tmp_pat
     assert sorted(path.name for path in tmp_path.iterdir()) == ["config.json", "metrics.csv"]
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert len(rows) == 1 and rows[0]["value_loss"] == "nan"
-
-
-def test_ctrl_c_stops_after_the_chunk_and_writes_everything(compile_cache, tmp_path):
-    flags = [*TINY_FLAGS, "--total-timesteps", str(128 * 10_000), "--output-dir", str(tmp_path)]
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **compile_cache},
-    )
-    for line in process.stdout:
-        if line.startswith("steps"):
-            process.send_signal(signal.SIGINT)
-            break
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 130, stderr  # as a shell expects of an interrupted program
-    assert "stopping after this chunk" in stderr and "Traceback" not in stderr
-    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
-    assert 1 <= len(rows) < 10_000
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["stopped_early"] and summary["env_steps"] == 128 * len(rows)
-    for name in ["curves.png", "policy.gif", "model.msgpack"]:
-        assert (tmp_path / name).exists(), name
-
-
-def test_output_dir_that_is_a_file_or_cannot_be_made_is_one_line_and_exit_2(tmp_path):
-    a_file = tmp_path / "a_file"
-    a_file.write_text("mine\n")
-    for where in [a_file, Path("/proc/no_such_folder")]:
-        result = run(*TINY_FLAGS, "--output-dir", str(where))
-        assert result.returncode == 2 and "--output-dir" in result.stderr, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1 and "compiled" not in result.stdout
-
-
-def test_a_folder_with_files_needs_overwrite_which_keeps_the_users_files(compile_cache, tmp_path):
-    (tmp_path / "notes.txt").write_text("mine\n")
-    refused = run(*TINY_FLAGS, "--output-dir", str(tmp_path))
-    assert refused.returncode == 2 and "--overwrite" in refused.stderr, refused.stderr
-    result = run(
-        *TINY_FLAGS, *QUIET, "--overwrite", "--output-dir", str(tmp_path), env=compile_cache
-    )
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "notes.txt").read_text() == "mine\n"
-    *_, evaluation, wrote = result.stdout.splitlines()
-    assert wrote.startswith("wrote config.json, metrics.csv, summary.json in"), wrote
-    assert "return " in evaluation and " ± " not in evaluation  # one run: no spread of one number
 
 
 def test_ctrl_c_during_compile_exits_130_without_a_traceback(tmp_path):

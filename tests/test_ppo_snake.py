@@ -1,19 +1,19 @@
 """Tests of ppo_snake.py: the networks and their initialiser, the reverse-move mask against
-envs.Snake's neck rule, the losses by hand, seeds under vmap, the CLI contract (in process and
-in subprocesses) and, marked slow, that a short run learns to eat."""
+envs.Snake's neck rule, the losses by hand, seeds under vmap, the CLI contract where it depends on
+the script (in process and in subprocesses) and, marked slow, that a short run learns to eat.
+The command-line block's own behaviour (Ctrl-C, output folders, the compile cache, refused
+files) is tested once, in test_sac_pendulum.py: test_cli_block.py keeps the four blocks one."""
 
 import csv
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import chex
 import flax.linen as nn
-import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -845,28 +845,6 @@ def test_same_seed_gives_identical_metrics(finished_run, tmp_path, compile_cache
     assert without_timing(out / "metrics.csv") == without_timing(tmp_path / "metrics.csv")
 
 
-def test_output_dir_that_is_a_file_or_cannot_be_made_is_one_line_and_exit_2(tmp_path):
-    a_file = tmp_path / "a_file"
-    a_file.write_text("mine\n")
-    for where in [a_file, Path("/proc/no_such_folder")]:
-        result = run(*TINY_FLAGS, "--output-dir", str(where))
-        assert result.returncode == 2 and "--output-dir" in result.stderr, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1 and "compiled" not in result.stdout
-
-
-def test_a_folder_with_files_needs_overwrite_which_keeps_the_users_files(tmp_path, compile_cache):
-    (tmp_path / "notes.txt").write_text("mine\n")
-    refused = run(*TINY_FLAGS, "--output-dir", str(tmp_path))
-    assert refused.returncode == 2 and "--overwrite" in refused.stderr, refused.stderr
-    quiet = ["--no-plot", "--no-capture-gif", "--no-save-model", "--overwrite"]
-    flags = [*TINY_FLAGS, "--num-seeds", "2", "--seed", "5", *quiet]  # finished_run's programs
-    result = run(*flags, "--output-dir", str(tmp_path), env=compile_cache)
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "notes.txt").read_text() == "mine\n"
-    wrote = result.stdout.splitlines()[-1]
-    assert wrote.startswith("wrote config.json, metrics.csv, summary.json in"), wrote
-
-
 def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path, compile_cache):
     """The checkpoint brings its board, network and seeds; no flags needed."""
     out, _ = finished_run
@@ -903,29 +881,6 @@ def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run, flags, n
     result = run("--eval-only", "--load-model", str(out / "model.msgpack"), *flags)
     assert result.returncode == 2 and name in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-
-
-def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
-    out, _ = finished_run
-    payload = flax.serialization.msgpack_restore((out / "model.msgpack").read_bytes())
-    other = tmp_path / "other.msgpack"
-    other.write_bytes(
-        flax.serialization.msgpack_serialize(
-            {**payload, "script": "ppo_cartpole", "env": "CartPole-v1"}
-        )
-    )
-    garbage = tmp_path / "garbage.msgpack"
-    garbage.write_bytes(b"\x80")  # an empty msgpack map
-    text = tmp_path / "notes.txt"
-    text.write_text("a secret line that must not be echoed\n" * 50)
-    for path, expected in [
-        (other, "ppo_cartpole checkpoint for CartPole-v1"),
-        (garbage, "is not a checkpoint of"),
-        (text, "is not a checkpoint of"),
-    ]:
-        result = run("--eval-only", "--load-model", str(path))
-        assert result.returncode == 2 and expected in result.stderr, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1 and "secret" not in result.stderr
 
 
 def test_two_devices_shard_the_seeds(finished_run, tmp_path, compile_cache):
@@ -974,30 +929,6 @@ def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path, compile_cach
     assert result.returncode == 1
     assert "non-finite" in result.stderr and "chunk 1, seed 1" in result.stderr, result.stderr
     assert len(list(csv.DictReader((tmp_path / "metrics.csv").open()))) == 1  # still valid
-
-
-def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path, compile_cache):
-    flags = [*TINY_FLAGS, "--total-timesteps", str(128 * 10_000), "--output-dir", str(tmp_path)]
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **compile_cache},
-    )
-    for line in process.stdout:
-        if line.startswith("steps"):
-            process.send_signal(signal.SIGINT)
-            break
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 130, stderr  # as a shell expects of an interrupted program
-    assert "stopping after this chunk" in stderr and "Traceback" not in stderr
-    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
-    assert 1 <= len(rows) < 10_000
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["stopped_early"] and summary["env_steps"] == 128 * len(rows)
-    for name in ["curves.png", "policy.gif", "model.msgpack"]:
-        assert (tmp_path / name).exists(), name
 
 
 # ---- learning ----

@@ -69,6 +69,7 @@ def assert_same_run(resumed: Path, never_stopped: Path) -> None:
         np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "buffer_size, runs",
     [
@@ -94,6 +95,7 @@ def test_a_run_killed_after_a_periodic_checkpoint_resumes_bit_for_bit(tmp_path, 
     assert "finished run" in again.stdout and "compiled" not in again.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path, signum, status):
     """SIGTERM (a scheduler's notice, here twice) or Ctrl-C: the outputs and the checkpoint of
@@ -177,6 +179,7 @@ def read_events_file(read_events, path: Path) -> list:
     return [event for event in read_events(scratch) if not event.file_version]
 
 
+@pytest.mark.slow
 def test_distributed_run_resumes_bit_for_bit(tmp_path):
     """Process 0 writes every run's state; each process restores its own runs: a pair stopped by
     SIGTERM on process 0 and resumed ends as a pair never stopped."""

@@ -3,14 +3,14 @@ limit does not), the upright count of the evaluation, the GIF, seeds under vmap,
 evaluation keys, the update's separate rates and fixed temperature, a chunk without host
 transfers, the CLI contract (in process and in subprocesses) and, marked slow, that the default
 config learns to balance. The buffer, the losses and the tanh-Gaussian are
-sac_pendulum.py's and are tested there."""
+sac_pendulum.py's and are tested there, as is the command-line block's own behaviour (Ctrl-C,
+output folders, the compile cache, refused files): test_cli_block.py keeps the four blocks one."""
 
 import csv
 import dataclasses
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -503,27 +503,6 @@ def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path):
     )
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert len(rows) == 2 and rows[0]["updates"] == "0"  # the rows up to the chunk that stopped
-
-
-def test_ctrl_c_stops_after_the_chunk_and_writes_everything(tmp_path):
-    flags = [*TINY_FLAGS, "--total-timesteps", "200000", "--output-dir", str(tmp_path)]
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for line in process.stdout:
-        if line.startswith("steps"):
-            process.send_signal(signal.SIGINT)
-            break
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 130, stderr  # as a shell expects of an interrupted program
-    assert "stopping after this chunk" in stderr and "Traceback" not in stderr
-    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
-    assert 1 <= len(rows) < sac.chunk_sizes(dataclasses.replace(TINY, total_timesteps=200000))[1]
-    for name in ["summary.json", "curves.png", "policy.gif", "model.msgpack"]:
-        assert (tmp_path / name).exists(), name
 
 
 def test_the_solved_line_is_labelled_and_the_gif_says_what_it_shows(finished_run):

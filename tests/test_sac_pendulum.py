@@ -519,11 +519,12 @@ def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1 and "secret" not in result.stderr
 
 
-def test_compile_cache_is_where_the_first_line_says_and_off_on_request(tmp_path):
-    quiet = ["--no-plot", "--no-capture-gif", "--no-save-model", "--output-dir", str(tmp_path)]
-    quiet += ["--overwrite"]  # every run writes into tmp_path
+def test_compile_cache_is_where_the_first_line_says_and_off_on_request(finished_run, tmp_path):
+    """On --eval-only runs: the cache's place is the same, with one small program to compile."""
+    quiet = ["--eval-only", "--load-model", str(finished_run[0]), "--no-capture-gif"]
+    quiet += ["--output-dir", str(tmp_path), "--overwrite"]  # every run writes into tmp_path
     cache = tmp_path / "cache"
-    result = run(*TINY_FLAGS, *quiet, env={"JAX_COMPILATION_CACHE_DIR": str(cache)})
+    result = run(*quiet, env={"JAX_COMPILATION_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].endswith(f"compile cache: {cache}")
     assert any(cache.iterdir())  # the programs were stored for the next run
@@ -532,7 +533,7 @@ def test_compile_cache_is_where_the_first_line_says_and_off_on_request(tmp_path)
     environment.pop("JAX_COMPILATION_CACHE_DIR", None)
     for flags, stored in [(["--no-compile-cache"], False), ([], True)]:
         result = subprocess.run(
-            [sys.executable, str(SCRIPT), *TINY_FLAGS, *quiet, *flags],
+            [sys.executable, str(SCRIPT), *quiet, *flags],
             capture_output=True,
             text=True,
             timeout=300,
@@ -647,18 +648,19 @@ def test_ctrl_c_during_compile_exits_130_without_a_traceback(tmp_path):
     assert "compiled" not in stdout and not (out / "metrics.csv").exists()
 
 
-def test_a_cache_that_plain_jax_filled_gives_no_warnings(tmp_path):
+def test_a_cache_that_plain_jax_filled_gives_no_warnings(finished_run, tmp_path):
     """The README's Python path fills $JAX_COMPILATION_CACHE_DIR through JAX alone; a script run
-    on the same folder afterwards must neither warn nor fail to write its entries."""
+    on the same folder afterwards (an --eval-only run: a small program to compile, and store)
+    must neither warn nor fail to write its entries."""
     cache = tmp_path / "cache"
     environment = {"JAX_COMPILATION_CACHE_DIR": str(cache)}
     fill = "import jax; jax.config.update('jax_persistent_cache_min_compile_time_secs', 0); "
     fill += "jax.jit(lambda x: x + 1)(1.0)"
     subprocess.run([sys.executable, "-c", fill], check=True, env={**os.environ, **environment})
-    quiet = ["--no-plot", "--no-capture-gif", "--no-save-model"]
+    quiet = ["--eval-only", "--load-model", str(finished_run[0]), "--no-capture-gif"]
     for attempt in range(2):
         out = tmp_path / f"run{attempt}"
-        result = run(*TINY_FLAGS, *quiet, "--output-dir", str(out), env=environment)
+        result = run(*quiet, "--output-dir", str(out), env=environment)
         assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr
 
 

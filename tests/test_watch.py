@@ -103,7 +103,14 @@ def test_live_and_track_on_a_sweep(script, tmp_path):
 def test_curves_are_redrawn_between_chunks_at_most_every_plot_every(tmp_path, monkeypatch):
     sac = importlib.import_module("sac_pendulum")
     saved = []
-    monkeypatch.setattr(sac, "save_figure", lambda figure, path: saved.append(path))
+    write_atomic = sac.write_atomic
+
+    def write_and_note_the_curves(path, data):
+        write_atomic(path, data)
+        if path.name == "curves.png":
+            saved.append(path)
+
+    monkeypatch.setattr(sac, "write_atomic", write_and_note_the_curves)
     flags = [*TINY_FLAGS["sac_pendulum"], "--no-capture-gif", "--no-save-model"]
     for plot_every, expected in [("0.001", range(5, 7)), ("0", range(1, 2))]:
         saved.clear()
