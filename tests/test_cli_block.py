@@ -306,31 +306,17 @@ def copy_onto_the_point_mass(script: str, env_class: str, folder: Path) -> str:
 
 
 """
-    text = re.sub(r"^class EnvConfig:.*?\n\n\n", env_config, text, count=1, flags=re.S | re.M)
     make = f"    return pointmass.{env_class}(), pointmass.Params(**dataclasses.asdict(config.env))"
-    text = re.sub(
-        r"(^def make_env\(.*?\n    \"\"\".*?\"\"\"\n)    return .*?\n",
-        rf"\1{make}\n",
-        text,
-        count=1,
-        flags=re.S | re.M,
-    )
     name = f"{script.split('_')[0]}_point_mass"
-    text = re.sub(r'^SCRIPT = ".*?"', f'SCRIPT = "{name}"', text, count=1, flags=re.M)
-    text = re.sub(
-        r"(^def env_name\(.*?\n)    return .*?\n",
-        r'\1    return "PointMass"\n',
-        text,
-        count=1,
-        flags=re.S | re.M,
-    )
-    text = re.sub(
-        r"(^def solved_return\(.*?\n)    return .*?\n",
-        r"\1    return -5.0\n",
-        text,
-        count=1,
-        flags=re.S | re.M,
-    )
+    edits = [  # (what the script has, what the copy gets)
+        (r"^class EnvConfig:.*?\n\n\n", env_config),
+        (r"(^def make_env\(.*?\n    \"\"\".*?\"\"\"\n)    return .*?\n", rf"\1{make}\n"),
+        (r'^SCRIPT = ".*?"\n', f'SCRIPT = "{name}"\n'),
+        (r"(^def env_name\(.*?\n)    return .*?\n", r'\1    return "PointMass"\n'),
+        (r"(^def solved_return\(.*?\n)    return .*?\n", r"\1    return -5.0\n"),
+    ]
+    for pattern, replacement in edits:
+        text = re.sub(pattern, replacement, text, count=1, flags=re.S | re.M)
     (folder / f"{name}.py").write_text(text)
     (folder / "pointmass.py").write_text(POINT_MASS)
     return name
