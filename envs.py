@@ -1,6 +1,7 @@
 """Pure-JAX environments with a gymnax-compatible API. Docs: docs/envs.md
 
-CartPole-v1, CartPoleContinuous, CartPoleSwingup, Pendulum-v1 and Snake. Every function is
+CartPole-v1, CartPoleContinuous, CartPoleSwingup, Pendulum-v1 and Snake, and Brax's tasks
+through an adapter (`make("brax/inverted_double_pendulum")`, brax installed). Every function is
 pure, jit- and vmap-able: state and params are `flax.struct.dataclass`es, randomness comes
 from explicit keys, and there is no Python control flow on traced values.
 
@@ -12,6 +13,7 @@ from explicit keys, and there is no Python control flow on traced values.
 episode ended on, for bootstrapping at a time limit. `reset_env` / `step_env` never reset.
 """
 
+import functools
 from typing import Any
 
 import chex
@@ -673,6 +675,78 @@ class Snake(Environment):
 
 
 # ---------------------------------------------------------------------------------------------
+# Brax's tasks (optional: `pip install brax`), behind the same API
+# ---------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class BraxState:
+    brax_state: Any  # brax.envs.State: the physics, obs, reward and done of the last step
+    time: chex.Array
+
+
+@struct.dataclass
+class BraxParams:
+    max_steps_in_episode: int = 1000  # Brax's own episode length
+
+
+@functools.cache
+def _brax_env(task: str, backend: str) -> Any:
+    from brax import envs as brax_envs  # imported only when a Brax task is made
+
+    with jax.ensure_compile_time_eval():  # concrete arrays, also when first made under a jit
+        return brax_envs.get_environment(task, backend=backend)
+
+
+class Brax(Environment):
+    """A Brax task (`envs.make("brax/inverted_double_pendulum")`) with this module's API: the
+    1,000-step time limit is a truncation, not a termination, so `step` keeps the last
+    observation in `info["final_observation"]` and the critic bootstraps there. Brax's own
+    training wrappers end the episode there and drop that observation; here each episode also
+    starts from a fresh random state, as in gymnasium, not from the env's first one. Actions are
+    in [-1, 1] as Brax's trainers give them. No renderer (Brax draws with MuJoCo, off device).
+    `backend`: Brax's physics pipeline, "generalized" (its default), "positional" or "spring"
+    (the fastest on a CPU)."""
+
+    def __init__(self, task: str, backend: str = "generalized"):
+        self.task, self.backend = task, backend
+        self.brax_env = _brax_env(task, backend)
+
+    @property
+    def default_params(self) -> BraxParams:
+        return BraxParams()
+
+    def reset_env(self, key, params):
+        brax_state = self.brax_env.reset(key)
+        return brax_state.obs, BraxState(brax_state, jnp.int32(0))
+
+    def step_env(self, key, state, action, params):
+        brax_state = self.brax_env.step(state.brax_state, action)
+        terminated = brax_state.done > 0
+        state = BraxState(brax_state, state.time + 1)
+        return brax_state.obs, state, brax_state.reward, terminated, {}
+
+    def get_obs(self, state: BraxState, params: BraxParams | None = None) -> chex.Array:
+        return state.brax_state.obs
+
+    def observation_space(self, params: BraxParams) -> Box:
+        # The shape of a reset's observation, traced, not computed (Brax's observation_size is).
+        shape = jax.eval_shape(self.brax_env.reset, jax.random.key(0)).obs.shape
+        return Box(-jnp.inf, jnp.inf, shape)
+
+    def action_space(self, params: BraxParams | None = None) -> Box:
+        return Box(-1.0, 1.0, (self.brax_env.action_size,))
+
+    @property
+    def num_actions(self) -> int:
+        return self.brax_env.action_size
+
+    @property
+    def name(self) -> str:
+        return f"brax/{self.task}"
+
+
+# ---------------------------------------------------------------------------------------------
 # episode statistics, and make()
 # ---------------------------------------------------------------------------------------------
 
@@ -747,9 +821,13 @@ REGISTRY: dict[str, type[Environment]] = {
 }
 
 
-def make(name: str) -> tuple[Environment, Any]:
-    """(env, default params) for a registered env id."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown env {name!r}; choose one of {sorted(REGISTRY)}")
-    env = REGISTRY[name]()
+def make(name: str, **kwargs: Any) -> tuple[Environment, Any]:
+    """(env, default params) for a registered env id, or "brax/<task>" for one of Brax's
+    (`brax.envs.get_environment`'s names; kwargs: `backend`)."""
+    if name.startswith("brax/"):
+        env = Brax(name.removeprefix("brax/"), **kwargs)
+    elif name in REGISTRY:
+        env = REGISTRY[name](**kwargs)
+    else:
+        raise ValueError(f"unknown env {name!r}; choose one of {sorted(REGISTRY)} or brax/<task>")
     return env, env.default_params
