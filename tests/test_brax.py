@@ -1,7 +1,8 @@
 """envs.py's Brax adapter (README: "Your own env"): it steps as Brax does, reports the time limit
 as a truncation with the last observation kept, resets to a fresh random state, and a copy of
 sac_pendulum.py trains, resumes and evaluates on it. Brax is a test-only dependency: without it,
-these tests are skipped. The smallest task (inverted_pendulum) keeps the compiles short."""
+these tests are skipped. The smallest task and the backend quickest to compile (inverted_pendulum,
+spring) keep the suite's added time small."""
 
 import importlib
 import json
@@ -17,18 +18,18 @@ from test_cli_block import ROOT
 import envs
 
 brax_envs = pytest.importorskip("brax.envs")
-TASK = "inverted_pendulum"  # on Brax's default backend (generalized)
+TASK, BACKEND = "inverted_pendulum", "spring"
 
 
 @pytest.fixture(scope="module")
 def env_and_params():
-    return envs.make(f"brax/{TASK}")
+    return envs.make(f"brax/{TASK}", backend=BACKEND)
 
 
 def test_make_names_the_task_and_its_spaces(env_and_params):
     env, params = env_and_params
     assert env.name == f"brax/{TASK}" and params.max_steps_in_episode == 1000
-    brax_env = brax_envs.get_environment(TASK)
+    brax_env = brax_envs.get_environment(TASK, backend=BACKEND)
     assert env.observation_space(params).shape == (brax_env.observation_size,)
     action_space = env.action_space(params)
     assert action_space.shape == (brax_env.action_size,) == (env.num_actions,)
@@ -41,7 +42,7 @@ def test_steps_are_brax_own_steps(env_and_params):
     """reset_env and step_env are Brax's reset and step: the same observations, rewards and
     terminations, bit for bit, over a random-action rollout through a fall."""
     env, params = env_and_params
-    brax_env = brax_envs.get_environment(TASK)
+    brax_env = brax_envs.get_environment(TASK, backend=BACKEND)
     key = jax.random.key(3)
     actions = jax.random.uniform(jax.random.key(4), (40, 1), minval=-1.0, maxval=1.0)
 
@@ -113,7 +114,7 @@ def test_a_copy_of_sac_pendulum_trains_resumes_and_evaluates_on_brax(tmp_path, m
         ),
         (
             r"(^def make_env\(.*?\n    \"\"\".*?\"\"\"\n)    return .*?\n",
-            rf'\1    env, params = envs.make("brax/{TASK}")\n'
+            rf'\1    env, params = envs.make("brax/{TASK}", backend="{BACKEND}")\n'
             "    return env, params.replace(**dataclasses.asdict(config.env))\n",
         ),
         (r'^SCRIPT = ".*?"\n', 'SCRIPT = "sac_brax"\n'),
