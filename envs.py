@@ -13,7 +13,9 @@ from explicit keys, and there is no Python control flow on traced values.
 episode ended on, for bootstrapping at a time limit. `reset_env` / `step_env` never reset.
 """
 
+import contextlib
 import functools
+import io
 from typing import Any
 
 import chex
@@ -692,7 +694,8 @@ class BraxParams:
 
 @functools.cache
 def _brax_env(task: str, backend: str) -> Any:
-    from brax import envs as brax_envs  # imported only when a Brax task is made
+    with contextlib.redirect_stdout(io.StringIO()):  # mjx prints that its optional warp is absent
+        from brax import envs as brax_envs  # imported only when a Brax task is made
 
     with jax.ensure_compile_time_eval():  # concrete arrays, also when first made under a jit
         return brax_envs.get_environment(task, backend=backend)
