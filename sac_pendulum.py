@@ -625,7 +625,7 @@ def make_render(config: Config):
     of simulated time per frame)."""
     env, env_params, act = make_deterministic_policy(config)
     step_envs = jax.vmap(env.step_env, in_axes=(0, 0, 0, None))
-    draw = jax.vmap(lambda env_state: env.render(env_state, env_params, 128, 128))
+    draw = jax.vmap(functools.partial(env.render, params=env_params, height=128, width=128))
 
     def render(params: Params, key: PRNGKey) -> Array:
         key_reset, key_steps = jax.random.split(key)
