@@ -712,7 +712,7 @@ class Brax(Environment):
     (the fastest on a CPU)."""
 
     def __init__(self, task: str, backend: str = "generalized"):
-        self.task, self.backend = task, backend
+        self.task = task
         self.brax_env = _brax_env(task, backend)
 
     @property
