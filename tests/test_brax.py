@@ -104,7 +104,7 @@ def test_the_time_limit_is_a_truncation_with_the_last_observation_kept(env_and_p
 
 
 def test_a_copy_of_sac_pendulum_trains_resumes_and_evaluates_on_brax(tmp_path, monkeypatch):
-    """README's Brax edit to sac_pendulum.py (EnvConfig, make_env, names): the copy trains two
+    """sac.md's Brax edit to sac_pendulum.py (EnvConfig, make_env, names): the copy trains two
     chunks, stops after the first, resumes from its checkpoint (Brax's state in it), evaluates."""
     text = (ROOT / "sac_pendulum.py").read_text()
     edits = [

@@ -23,6 +23,9 @@ import envs
 import ppo_snake as ppo
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ppo_snake.py"
+# The learning tests compile at XLA's own level, as their thresholds were measured (conftest.py
+# lowers it for the rest).
+XLA_DEFAULT = {"xla_backend_optimization_level": 3}
 # A run small enough to compile and train in seconds: 2 chunks of 2 iterations of 4 envs x 16
 # steps on a 6x6 board, each iteration 2 epochs of 2 minibatches.
 TINY = ppo.Config(
@@ -885,7 +888,10 @@ def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run, flags, n
 
 def test_two_devices_shard_the_seeds(finished_run, tmp_path, compile_cache):
     out, _ = finished_run
-    two_devices = {**compile_cache, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    two_devices = {
+        **compile_cache,
+        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=2",
+    }
     result = run(
         *TINY_FLAGS,
         "--num-seeds",
@@ -964,8 +970,10 @@ def test_short_run_learns_to_eat():
     )
     keys = ppo.seed_keys(config)
     _, _, train = ppo.make_train(config)
-    state, metrics = jax.jit(jax.vmap(train))(keys.train)
-    evaluate = jax.jit(jax.vmap(ppo.make_evaluate(config, num_episodes=100)))
+    state, metrics = jax.jit(jax.vmap(train), compiler_options=XLA_DEFAULT)(keys.train)
+    evaluate = jax.jit(
+        jax.vmap(ppo.make_evaluate(config, num_episodes=100)), compiler_options=XLA_DEFAULT
+    )
     scores = np.asarray(evaluate(ppo.trained_params(state), keys.evaluate)["score"]).mean(axis=1)
     first_chunk = np.asarray(metrics.score[:, 0])
     assert np.all(first_chunk < 8.0), first_chunk

@@ -98,7 +98,9 @@ def test_bad_grids_exit_2_with_one_line_before_compiling(
 
 
 def test_a_run_count_that_does_not_divide_over_the_devices_is_refused():
-    two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    two_devices = {
+        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=2"
+    }
     flags = ["--sweep", "gamma=0.9,0.95,0.99"]
     result = run("sac_pendulum", *TINY_FLAGS["sac_pendulum"], *flags, env=two_devices)
     assert result.returncode == 2
