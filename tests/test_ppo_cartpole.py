@@ -22,8 +22,8 @@ import pytest
 import ppo_cartpole as ppo
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ppo_cartpole.py"
-# The learning tests compile at XLA's own level, as their thresholds were measured (conftest.py
-# lowers it for the rest).
+# The learning tests compile with XLA's own setting, as their bars were measured (conftest.py
+# sets a quicker one for the rest).
 XLA_DEFAULT = {"xla_backend_optimization_level": 3}
 # A run small enough to compile and train in seconds: 2 chunks of 2 iterations of 4 envs x 16
 # steps, 8 gradient steps per iteration; 50-step episodes keep the evaluation and GIF short.

@@ -23,8 +23,8 @@ import envs
 import ppo_snake as ppo
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ppo_snake.py"
-# The learning tests compile at XLA's own level, as their thresholds were measured (conftest.py
-# lowers it for the rest).
+# The learning tests compile with XLA's own setting, as their bars were measured (conftest.py
+# sets a quicker one for the rest).
 XLA_DEFAULT = {"xla_backend_optimization_level": 3}
 # A run small enough to compile and train in seconds: 2 chunks of 2 iterations of 4 envs x 16
 # steps on a 6x6 board, each iteration 2 epochs of 2 minibatches.

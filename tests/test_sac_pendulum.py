@@ -21,8 +21,8 @@ import envs
 import sac_pendulum as sac
 
 SCRIPT = Path(__file__).resolve().parents[1] / "sac_pendulum.py"
-# The learning tests compile at XLA's own level, as their thresholds were measured (conftest.py
-# lowers it for the rest).
+# The learning tests compile with XLA's own setting, as their bars were measured (conftest.py
+# sets a quicker one for the rest).
 XLA_DEFAULT = {"xla_backend_optimization_level": 3}
 # A run small enough to compile and train in seconds, with several chunks and real updates.
 TINY = sac.Config(
