@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 # LLVM at -O0 for the suite (XLA's default: -O3): the same programs (the same HLO) compile in
 # about 40% less CPU time; tiny programs run about as fast, long ones 2-3x slower, so the learning
-# tests compile with XLA's own settings (XLA_DEFAULT in their files), as their bars were measured.
+# tests compile with XLA's own setting (XLA_DEFAULT, below), as their bars were measured.
 # Subprocesses inherit the flag, so runs that tests compare bit for bit are compiled alike. (XLA's
 # older fusion emitters would compile quicker still, but break the bit-for-bit equality of an env's
 # step compiled in two programs, which tests check.)
@@ -29,3 +29,11 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
     )
+XLA_DEFAULT = {"xla_backend_optimization_level": 3}  # jax.jit's compiler_options, XLA's own -O3
+
+
+def forced_cpu_devices(count: int) -> dict:
+    """The environment for a subprocess on `count` CPU devices, compiled as the suite compiles."""
+    return {
+        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={count}"
+    }

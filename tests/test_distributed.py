@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
 import test_sac_pendulum
+from conftest import forced_cpu_devices
 
 import benchmark
 import sac_pendulum
@@ -52,7 +53,7 @@ def cpu_devices(count: int) -> dict:
     return {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={count}",
+        **forced_cpu_devices(count),
     }
 
 

@@ -18,13 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import XLA_DEFAULT, forced_cpu_devices
 
 import ppo_cartpole as ppo
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ppo_cartpole.py"
-# The learning tests compile with XLA's own setting, as their bars were measured (conftest.py
-# sets a quicker one for the rest).
-XLA_DEFAULT = {"xla_backend_optimization_level": 3}
 # A run small enough to compile and train in seconds: 2 chunks of 2 iterations of 4 envs x 16
 # steps, 8 gradient steps per iteration; 50-step episodes keep the evaluation and GIF short.
 TINY = ppo.Config(
@@ -496,9 +494,7 @@ def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run):
 def test_two_devices_shard_the_seeds_and_match_the_pure_train(tiny_runs, tmp_path):
     """Seeds over 2 (forced) CPU devices: the CLI's chunk loop gives the metrics of train(key)."""
     config, (_, metrics), _, _ = tiny_runs
-    two_devices = {
-        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=2"
-    }
+    two_devices = forced_cpu_devices(2)
     flags = [*TINY_FLAGS, "--num-seeds", "2", "--output-dir", str(tmp_path), *QUIET]
     result = run(*flags, "--no-compile-cache", env=two_devices)
     assert result.returncode == 0, result.stderr

@@ -18,14 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import XLA_DEFAULT, forced_cpu_devices
 
 import envs
 import ppo_snake as ppo
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ppo_snake.py"
-# The learning tests compile with XLA's own setting, as their bars were measured (conftest.py
-# sets a quicker one for the rest).
-XLA_DEFAULT = {"xla_backend_optimization_level": 3}
 # A run small enough to compile and train in seconds: 2 chunks of 2 iterations of 4 envs x 16
 # steps on a 6x6 board, each iteration 2 epochs of 2 minibatches.
 TINY = ppo.Config(
@@ -888,10 +886,7 @@ def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run, flags, n
 
 def test_two_devices_shard_the_seeds(finished_run, tmp_path, compile_cache):
     out, _ = finished_run
-    two_devices = {
-        **compile_cache,
-        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=2",
-    }
+    two_devices = {**compile_cache, **forced_cpu_devices(2)}
     result = run(
         *TINY_FLAGS,
         "--num-seeds",

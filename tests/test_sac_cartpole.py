@@ -21,13 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import XLA_DEFAULT, forced_cpu_devices
 
 import sac_cartpole as sac
 
 SCRIPT = Path(__file__).resolve().parents[1] / "sac_cartpole.py"
-# The learning tests compile with XLA's own setting, as their bars were measured (conftest.py
-# sets a quicker one for the rest).
-XLA_DEFAULT = {"xla_backend_optimization_level": 3}
 # A run small enough to compile and train in seconds, with several chunks and real updates:
 # swing-up on a 3 cm track with 8-step episodes, so that both kinds of episode end happen in it.
 TINY = sac.Config(
@@ -482,9 +480,7 @@ def test_eval_only_refuses_other_checkpoints_and_overridden_flags(
 
 def test_two_devices_shard_the_seeds(finished_run, tmp_path):
     out, _ = finished_run
-    two_devices = {
-        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=2"
-    }
+    two_devices = forced_cpu_devices(2)
     no_outputs = ["--no-plot", "--no-capture-gif", "--no-save-model"]
     flags = [*TINY_FLAGS, "--num-seeds", "2", "--seed", "5", *no_outputs]
     result = run(*flags, "--output-dir", str(tmp_path), env=two_devices)

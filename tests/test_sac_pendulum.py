@@ -16,14 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import XLA_DEFAULT, forced_cpu_devices
 
 import envs
 import sac_pendulum as sac
 
 SCRIPT = Path(__file__).resolve().parents[1] / "sac_pendulum.py"
-# The learning tests compile with XLA's own setting, as their bars were measured (conftest.py
-# sets a quicker one for the rest).
-XLA_DEFAULT = {"xla_backend_optimization_level": 3}
 # A run small enough to compile and train in seconds, with several chunks and real updates.
 TINY = sac.Config(
     num_envs=4,
@@ -548,9 +546,7 @@ def test_compile_cache_is_where_the_first_line_says_and_off_on_request(finished_
 
 def test_two_devices_shard_the_seeds(finished_run, tmp_path):
     out, _ = finished_run
-    two_devices = {
-        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=2"
-    }
+    two_devices = forced_cpu_devices(2)
     result = run(
         *TINY_FLAGS,
         "--num-seeds",

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
 import test_sac_pendulum
+from conftest import forced_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
@@ -98,9 +99,7 @@ def test_bad_grids_exit_2_with_one_line_before_compiling(
 
 
 def test_a_run_count_that_does_not_divide_over_the_devices_is_refused():
-    two_devices = {
-        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=2"
-    }
+    two_devices = forced_cpu_devices(2)
     flags = ["--sweep", "gamma=0.9,0.95,0.99"]
     result = run("sac_pendulum", *TINY_FLAGS["sac_pendulum"], *flags, env=two_devices)
     assert result.returncode == 2
