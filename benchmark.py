@@ -9,6 +9,7 @@
     python benchmark.py sweep             # a --sweep grid in one process vs one process per run
     python benchmark.py distributed       # the same runs in one process vs two (--distributed)
     python benchmark.py all --quick       # envs, train, seeds, solve and launch, short
+    python benchmark.py gpu --peers-path DIR  # the GPU list (docs/benchmarks.md), peers beside
 Rows merge into --output (docs/benchmarks.json) by ROW_KEY; envs, train, seeds draw a PNG too.
 """
 
@@ -37,14 +38,18 @@ from matplotlib.figure import Figure
 
 import envs
 
+# One GPU serves this process and the runs it launches: none takes JAX's default 75% up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 REPO = os.path.dirname(os.path.abspath(__file__))
 ROW_KEY = ("benchmark", "library", "env", "num_envs", "num_seeds", "device")
 ENV_NAMES = ["CartPole-v1", "CartPoleContinuous", "CartPoleSwingup", "Pendulum-v1", "Snake"]
 GYMNAX_NAMES = {"CartPole-v1", "Pendulum-v1"}  # the gymnax envs ours reproduce exactly
-JUMANJI_SNAKE_GRID = 12  # jumanji's Snake-v1 board is 12 x 12; ours runs at that size next to it
 SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
 LAUNCH_SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole"]  # ppo_snake's run: minutes
 SCRIPT_FLAGS = ["--no-capture-gif", "--no-plot", "--no-save-model"]
+TINY_FLAGS = ["--total-timesteps", "4096", "--log-every", "1024", "--eval-episodes", "1"]
+HEADLINE = ["steps_per_second", "env_steps_per_second", "updates_per_second", "ratio_to_reference"]
+HEADLINE += ["ratio_to_one_seed", "cold_launch_to_solved_runs", "first_crossing_seconds", "speedup"]
 STEPS_PER_ENV = {"sac": 64, "ppo": 512}  # per timed chunk, ~1 s of CPU work (--quick: a 4th)
 # A command's prefix: no --distributed worker outlives a killed benchmark.py (setpriv, Linux).
 DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
@@ -108,36 +113,16 @@ def plot_rows(path: Path, rows: list[dict], x: str, y: str, *labels: str) -> Non
     print(f"wrote {path}")
 
 
-# ---- env throughput: one protocol for every library ----
-@dataclasses.dataclass(frozen=True)
-class VectorEnv:
-    """`num_envs` envs of one library: init(key), draw(key, num_steps), step(carry, inputs)."""
-
-    library: str
-    env: str
-    num_envs: int
-    init: object
-    draw: object
-    step: object
-
-    def rollout(self, carry, key, num_steps: int):
-        """Auto-resetting steps; the final carry and the reward sum keep every step's work live."""
-
-        def body(loop, step_inputs):
-            carry, rewards = self.step(loop[0], step_inputs)
-            return (carry, loop[1] + jnp.sum(rewards)), None
-
-        return jax.lax.scan(body, (carry, jnp.float32(0.0)), self.draw(key, num_steps))[0]
-
-
-def gymnax_style(library: str, label: str, env, params, num_envs: int) -> VectorEnv:
-    """envs.py and gymnax share the API: reset(key, params), step(key, state, action, params)."""
+# ---- env throughput: ours and gymnax's, one API: reset(key, params), step(key, state, ...) ----
+def vector_env(env, params, num_envs: int) -> tuple:
+    """init(key) and rollout(carry, key, num_steps) of `num_envs` auto-resetting envs, random
+    actions; the final carry and the reward sum keep every step's work live."""
     space = env.action_space(params)
 
     def init(key):
         return jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), params)
 
-    def draw(key, num_steps):
+    def rollout(carry, key, num_steps: int):
         key_actions, key_envs = jax.random.split(key)
         shape = (num_steps, num_envs)
         if hasattr(space, "n"):  # bits modulo n (exact for a power of two): half randint's hashing
@@ -145,50 +130,32 @@ def gymnax_style(library: str, label: str, env, params, num_envs: int) -> Vector
         else:
             size = shape + space.shape
             actions = jax.random.uniform(key_actions, size, minval=space.low, maxval=space.high)
-        return actions, jax.random.split(key_envs, shape)
 
-    def step(carry, inputs):
-        step_all = jax.vmap(env.step, in_axes=(0, 0, 0, None))
-        obs, state, reward, _, _, _ = step_all(inputs[1], carry[1], inputs[0], params)
-        return (obs, state), reward
+        def body(loop, inputs):
+            step_all = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+            obs, state, reward, _, _, _ = step_all(inputs[1], loop[0][1], inputs[0], params)
+            return ((obs, state), loop[1] + jnp.sum(reward)), None
 
-    return VectorEnv(library, label, num_envs, init, draw, step)
+        inputs = (actions, jax.random.split(key_envs, shape))
+        return jax.lax.scan(body, (carry, jnp.float32(0.0)), inputs)[0]
 
-
-def jumanji_snake(label: str, num_envs: int) -> VectorEnv:
-    """jumanji's Snake-v1, auto-reset by its own wrapper; its envs keep their keys in state."""
-    import jumanji.wrappers
-
-    env = jumanji.wrappers.AutoResetWrapper(jumanji.make("Snake-v1"))
-
-    def init(key):
-        state, timestep = jax.vmap(env.reset)(jax.random.split(key, num_envs))
-        return timestep.observation, state
-
-    def draw(key, num_steps):
-        return (jax.random.bits(key, (num_steps, num_envs)) % 4).astype(jnp.int32)
-
-    def step(carry, actions):
-        state, timestep = jax.vmap(env.step)(carry[1], actions)
-        return (timestep.observation, state), timestep.reward
-
-    return VectorEnv("jumanji", label, num_envs, init, draw, step)
+    return init, rollout
 
 
-def time_side_by_side(vector_envs: list[VectorEnv], num_steps: int, repeats: int) -> list[dict]:
-    """Rows of `repeats` rollouts of each, interleaved; ours first, with its ratio to the others."""
+def time_side_by_side(libraries: dict, num_envs: int, num_steps: int, repeats: int) -> list[dict]:
+    """Rows of `repeats` rollouts of each library's (init, rollout), interleaved; ours first,
+    with its ratio to the others."""
     rollouts = []
     carries = []
     rows = []
     key_init, key_run = jax.random.split(jax.random.key(0))
-    for vector_env in vector_envs:
-        carries.append(jax.block_until_ready(jax.jit(vector_env.init)(key_init)))
+    for library, (init, rollout) in libraries.items():
+        carries.append(jax.block_until_ready(jax.jit(init)(key_init)))
         start = time.perf_counter()
-        rollout = jax.jit(vector_env.rollout, static_argnums=2, donate_argnums=0)
+        rollout = jax.jit(rollout, static_argnums=2, donate_argnums=0)
         rollouts.append(rollout.lower(carries[-1], key_run, num_steps).compile())
-        row = dict(library=vector_env.library, env=vector_env.env, num_envs=vector_env.num_envs)
-        rows.append(row | dict(compile_seconds=round(time.perf_counter() - start, 3)))
-    seconds = [[] for _ in vector_envs]
+        rows.append(dict(library=library, compile_seconds=round(time.perf_counter() - start, 3)))
+    seconds = [[] for _ in libraries]
     keys = jax.random.split(jax.random.key(1), repeats + 1)
     for repeat in range(repeats + 1):  # the first round is a warm-up
         for index, rollout in enumerate(rollouts):
@@ -197,10 +164,8 @@ def time_side_by_side(vector_envs: list[VectorEnv], num_steps: int, repeats: int
             if repeat > 0:
                 seconds[index].append(time.perf_counter() - start)
     for row, runs in zip(rows, seconds, strict=True):
-        env_steps = row["num_envs"] * num_steps
-        row["steps_per_second"] = round(env_steps / statistics.median(runs))
-        row["steps_per_second_runs"] = [round(env_steps / run) for run in runs]
-        row["num_steps"] = num_steps
+        row["steps_per_second"] = round(num_envs * num_steps / statistics.median(runs))
+        row["steps_per_second_runs"] = [round(num_envs * num_steps / run) for run in runs]
     for reference, reference_runs in zip(rows[1:], seconds[1:], strict=True):
         paired = [theirs / ours for ours, theirs in zip(seconds[0], reference_runs, strict=True)]
         rows[0]["reference"] = reference["library"]
@@ -210,30 +175,22 @@ def time_side_by_side(vector_envs: list[VectorEnv], num_steps: int, repeats: int
 
 
 def run_envs(args: argparse.Namespace) -> list[dict]:
-    """Env steps/s of every env; gymnax's and jumanji's versions beside ours when importable."""
-    gpu_sizes = [2**20] if jax.default_backend() != "cpu" else []
+    """Env steps/s of every env; gymnax's version beside ours where it has the env and imports."""
     rows = []
-    for num_envs in args.num_envs or [1, 256, 4096, 65536, *gpu_sizes]:
+    for num_envs, name in itertools.product(args.num_envs or [1, 256, 4096, 65536], args.envs):
         budget = 2**19 if args.quick else 2**22  # env steps per timed run: one env runs ms too
         num_steps = max(16, min(budget // num_envs, 512 if args.quick else 4096))
-        groups = []
-        for name in args.envs:
-            groups.append([gymnax_style("ours", name, *envs.make(name), num_envs)])
-            if name in GYMNAX_NAMES and not args.no_reference and util.find_spec("gymnax"):
-                import gymnax
+        libraries = {"ours": vector_env(*envs.make(name), num_envs)}
+        if name in GYMNAX_NAMES and not args.no_reference and util.find_spec("gymnax"):
+            import gymnax
 
-                groups[-1].append(gymnax_style("gymnax", name, *gymnax.make(name), num_envs))
-        if "Snake" in args.envs and not args.no_reference and util.find_spec("jumanji"):
-            label = f"Snake {JUMANJI_SNAKE_GRID}x{JUMANJI_SNAKE_GRID}"  # ours on jumanji's board
-            params = envs.SnakeParams(grid_size=JUMANJI_SNAKE_GRID)
-            ours = gymnax_style("ours", label, envs.Snake(), params, num_envs)
-            groups.append([ours, jumanji_snake(label, num_envs)])
-        for group in groups:
-            for row in time_side_by_side(group, num_steps, args.repeats or 5):
-                library = row["library"]
-                version = "envs.py" if library == "ours" else metadata.version(library)
-                row = dict(benchmark="env_steps", **row, repeats=args.repeats or 5)
-                rows.append(report(row | dict(library_version=version)))
+            libraries["gymnax"] = vector_env(*gymnax.make(name), num_envs)
+        for row in time_side_by_side(libraries, num_envs, num_steps, args.repeats or 5):
+            version = "envs.py" if row["library"] == "ours" else metadata.version(row["library"])
+            row = dict(
+                benchmark="env_steps", env=name, num_envs=num_envs, **row, num_steps=num_steps
+            )
+            rows.append(report(row | dict(repeats=args.repeats or 5, library_version=version)))
     labels = ("parallel envs", "env steps per second", "env throughput")
     return save(args, rows, ("benchmark_envs.png", "num_envs", "steps_per_second", *labels))
 
@@ -320,8 +277,8 @@ def run_seeds(args: argparse.Namespace) -> list[dict]:
     sizes = {}
     for script in args.scripts or SCRIPTS:
         counts = args.seeds or ([1, 4, 16] if args.quick else [1, 4, 16, 64])
-        if script == "ppo_snake" and jax.default_backend() == "cpu" and not args.seeds:
-            counts = counts[:-1]  # its CPU chunk at 16 seeds is minutes long
+        if script == "ppo_snake" and jax.default_backend() == "cpu":  # a CPU chunk: seconds
+            counts = [] if args.quick else args.seeds or [1, 4, 16]
         sizes[script] = [(import_module(script).Config().num_envs, count) for count in counts]
     rows = measure_chunks(args, "seed_scaling", sizes)
     one_seed = {row["library"]: row["chunk_seconds"] for row in rows if row["num_seeds"] == 1}
@@ -332,7 +289,7 @@ def run_seeds(args: argparse.Namespace) -> list[dict]:
 
 
 # ---- the scripts' command lines, in fresh processes ----
-def run_script(script, cache_dir, flags, processes=1, environment=None, tree=REPO) -> dict:
+def run_script(script, cache_dir, flags, tree=REPO, processes=1, environment=None) -> dict:
     """summary.json, metrics.csv rows, seconds to the first progress line and to exit of a run."""
     with tempfile.TemporaryDirectory() as temporary, tempfile.TemporaryFile("w+") as workers:
         out = Path(temporary, "run")  # a new folder: the scripts refuse a non-empty one
@@ -387,66 +344,52 @@ def first_crossing_seconds(metrics: list[dict], bar: float) -> float | None:
     return next((float(row["wall_seconds"]) for row in crossings), None)
 
 
-def run_solve(args: argparse.Namespace) -> list[dict]:
-    """Each script's default run, its seconds to the solved bar, from an empty compile cache."""
+def launch_to_solved(run: dict, bar: float) -> float | None:
+    """Seconds from launch to the first row at `bar`: the first progress line prints row 1."""
+    crossing = first_crossing_seconds(run["metrics"], bar)
+    start = run["first_progress_seconds"] - float(run["metrics"][0]["wall_seconds"])
+    return None if crossing is None else round(start + crossing, 2)
+
+
+def run_launch(args: argparse.Namespace, sides: tuple = ("cold", "warm")) -> list[dict]:
+    """Each default run in fresh processes, seeds 1, 2, ... (--runs): launch to first progress
+    line, to the solved bar and to exit; cold (an empty compile cache), then warm (it filled)."""
     rows = []
-    scripts = args.scripts or SCRIPTS
+    scripts = args.scripts or (LAUNCH_SCRIPTS if "warm" in sides else SCRIPTS)
     for script in [name for name in scripts if not (args.quick and name == "ppo_snake")]:
         module = import_module(script)
         bar = module.solved_return(module.Config())  # the script's own bar
-        runs = []
+        runs = collections.defaultdict(list)  # side -> its runs, seed after seed
         for index in range(1 if args.quick else args.runs):  # the default seed first
             flags = [*SCRIPT_FLAGS, "--seed", str(module.Config().seed + index), *args.flags]
             with tempfile.TemporaryDirectory() as cache:
-                runs.append(run_script(script, cache, flags))
-        medians = figures("run", runs)
-        crossings = [first_crossing_seconds(run["metrics"], bar) for run in runs]
-        crossings = [seconds for seconds in crossings if seconds is not None]
-        first_crossing = round(statistics.median(crossings), 2) if crossings else None
-        row = dict(benchmark="time_to_solve", library=script, env=script, num_seeds=1)
-        row.update(num_envs=runs[0].get("num_envs"), runs=len(runs), solved_bar=bar)
-        row["train_seconds"] = medians["run_train_seconds"]
-        row["compile_seconds"] = medians["run_compile_seconds"]
-        row["process_seconds"] = medians["run_seconds"]
-        row["env_steps"] = int(runs[0]["metrics"][-1]["env_steps"])
-        row["final_returns"] = [round(run["final_return_mean"], 2) for run in runs]
-        row["first_crossing_seconds"] = first_crossing
-        row["solved_runs"] = sum(run["final_return_mean"] >= bar for run in runs)
-        row["extra_flags"] = args.flags
-        for name, values in runs[0].items():  # the script's other evaluation figures (Snake)
+                for side in sides:
+                    runs[side].append(run_script(script, cache, flags))
+        benchmark = "launch" if "warm" in sides else "time_to_solve"
+        row = dict(benchmark=benchmark, library=script, env=script, num_seeds=1, solved_bar=bar)
+        row.update(num_envs=runs["cold"][0].get("num_envs"), runs=len(runs["cold"]))
+        for side in sides:
+            row.update(figures(side, runs[side]))
+            row[f"{side}_launch_to_solved_runs"] = [
+                launch_to_solved(run, bar) for run in runs[side]
+            ]
+            row[f"{side}_final_returns"] = [
+                round(run["final_return_mean"], 2) for run in runs[side]
+            ]
+        row["env_steps"] = int(runs["cold"][0]["metrics"][-1]["env_steps"])
+        for name in ("env_steps_per_second", "updates_per_second"):
+            row[name] = round(statistics.median(run[name] for run in runs["cold"]))
+        row["solved_runs"] = sum(run["final_return_mean"] >= bar for run in runs["cold"])
+        for name, values in runs["cold"][0].items():  # the script's other figures (Snake)
             if name.startswith("final_") and isinstance(values, list) and name != "final_returns":
-                row[name + "s"] = [round(statistics.mean(run[name]), 3) for run in runs]
-        rows.append(report(row))
+                row[name + "s"] = [round(statistics.mean(run[name]), 3) for run in runs["cold"]]
+        rows.append(report(row | dict(extra_flags=args.flags)))
     return save(args, rows)
 
 
-def cold_and_warm(script: str, warm_cache: str, flags: list[str], tree: str = REPO) -> dict:
-    """One run from an empty compilation cache, then one from `warm_cache`."""
-    with tempfile.TemporaryDirectory() as cold_cache:
-        cold = run_script(script, cold_cache, flags, tree=tree)
-    return {"cold": cold, "warm": run_script(script, warm_cache, flags, tree=tree)}
-
-
-def run_launch(args: argparse.Namespace) -> list[dict]:
-    """Each default run's launch to first progress line and to exit, cache cold and warm."""
-    runs = 1 if args.quick else args.runs
-    rows = []
-    for script in args.scripts or LAUNCH_SCRIPTS:
-        with tempfile.TemporaryDirectory() as warm_cache:
-            run_script(script, warm_cache, args.flags)  # fills the warm cache
-            pairs = [cold_and_warm(script, warm_cache, args.flags) for _ in range(runs)]
-        row = dict(benchmark="launch", library=script, env=script, num_seeds=1, runs=runs)
-        row["num_envs"] = pairs[0]["cold"].get("num_envs")
-        for side in ("cold", "warm"):
-            row.update(figures(side, [pair[side] for pair in pairs]))
-        first_progress = row["cold_first_progress_seconds"] / row["warm_first_progress_seconds"]
-        row["first_progress_cold_to_warm"] = round(first_progress, 2)
-        row["cold_to_warm"] = round(row["cold_seconds"] / row["warm_seconds"], 2)
-        returns = [pair[side]["final_return_mean"] for side in ("cold", "warm") for pair in pairs]
-        row["final_returns"] = [round(value, 2) for value in returns]
-        row["extra_flags"] = args.flags
-        rows.append(report(row))
-    return save(args, rows)
+def run_solve(args: argparse.Namespace) -> list[dict]:
+    """Each script's default run from an empty compile cache: launch to the solved bar."""
+    return run_launch(args, sides=("cold",))
 
 
 def run_versus(args: argparse.Namespace) -> list[dict]:
@@ -457,8 +400,6 @@ def run_versus(args: argparse.Namespace) -> list[dict]:
     speeds = collections.defaultdict(list)  # (tree, script, num_envs) -> env steps/s per round
     launches = {(name, script): [] for name in trees for script in scripts}
     with tempfile.TemporaryDirectory() as temporary:
-        for name, script in launches:  # fill each tree's warm cache of each script
-            run_script(script, os.path.join(temporary, name, script), args.flags, tree=trees[name])
         for _ in range(args.runs):
             for name, script in launches:
                 output = Path(temporary, f"{name}-{script}.json")  # the tree's own benchmark
@@ -468,9 +409,9 @@ def run_versus(args: argparse.Namespace) -> list[dict]:
                 subprocess.run([*command, *map(str, sizes[script])], check=True, cwd=trees[name])
                 for row in json.loads(output.read_text())["rows"]:
                     speeds[name, script, row["num_envs"]].append(row["steps_per_second"])
-                warm_cache = os.path.join(temporary, name, script)
-                pair = cold_and_warm(script, warm_cache, args.flags, trees[name])
-                launches[name, script].append(pair)
+                with tempfile.TemporaryDirectory() as cache:  # empty, then filled by the cold run
+                    runs = [run_script(script, cache, args.flags, trees[name]) for _ in range(2)]
+                launches[name, script].append(dict(zip(("cold", "warm"), runs, strict=True)))
     rows = []
     for script, num_envs in [(name, size) for name in scripts for size in sizes[name]]:
         row = dict(benchmark="versus_train", library=script, env=script, num_envs=num_envs)
@@ -494,23 +435,23 @@ def run_versus(args: argparse.Namespace) -> list[dict]:
 
 
 def run_sweep(args: argparse.Namespace) -> list[dict]:
-    """A --sweep grid x seeds as one process against one process per run, one after another."""
+    """A --sweep grid x seeds as one process against one process per grid point (its seeds)."""
     seeds_per_point = args.num_seeds or 2
     with tempfile.TemporaryDirectory() as cache:
         flags = ["--sweep", *args.sweep, "--num-seeds", str(seeds_per_point)]
         sweep = run_script(args.script, cache, [*flags, *SCRIPT_FLAGS, *args.flags])
-    seed = import_module(args.script).Config().seed
     grid = []
     for entry in args.sweep:  # NAME=V1,V2 -> --NAME=V1, --NAME=V2
         name, values = entry.split("=", 1)
         grid.append([f"--{name}={value}" for value in values.split(",")])
     singles = []
     with tempfile.TemporaryDirectory() as cache:  # shared: the first single run compiles
-        for point, index in itertools.product(itertools.product(*grid), range(seeds_per_point)):
-            flags = [*point, "--seed", str(seed + index), *SCRIPT_FLAGS, *args.flags]
+        for point in itertools.product(*grid):
+            flags = [*point, "--num-seeds", str(seeds_per_point), *SCRIPT_FLAGS, *args.flags]
             singles.append(run_script(args.script, cache, flags))
     single_seconds = sum(run["seconds"] for run in singles)
-    row = dict(benchmark="sweep", library=args.script, env=args.script, num_seeds=len(singles))
+    num_seeds = seeds_per_point * len(singles)
+    row = dict(benchmark="sweep", library=args.script, env=args.script, num_seeds=num_seeds)
     row.update(num_envs=sweep.get("num_envs"), sweep=args.sweep, extra_flags=args.flags)
     row.update(seeds_per_point=seeds_per_point, **figures("sweep", [sweep]))
     row["single_runs_seconds"] = round(single_seconds, 2)
@@ -539,7 +480,9 @@ def run_distributed(args: argparse.Namespace) -> list[dict]:
                 xla_flags = f"--xla_force_host_platform_device_count={args.processes // processes}"
                 environment = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags}
                 with tempfile.TemporaryDirectory() as cache:
-                    sides[side].append(run_script(script, cache, flags, processes, environment))
+                    sides[side].append(
+                        run_script(script, cache, flags, REPO, processes, environment)
+                    )
         row = dict(benchmark="distributed", library=script, env=script, num_seeds=num_seeds)
         row.update(num_envs=sides["one_process"][0].get("num_envs"), processes=args.processes)
         row.update(devices=args.processes, repeats=args.repeats or 3, extra_flags=args.flags)
@@ -552,15 +495,67 @@ def run_distributed(args: argparse.Namespace) -> list[dict]:
     return save(args, rows)
 
 
-def run_all(args: argparse.Namespace) -> list[dict]:
-    """envs, train, seeds, solve and launch with their own defaults."""
-    rows = run_envs(args) + run_train(args) + run_seeds(args)
-    return rows + run_solve(args) + run_launch(args)
+def run_peers(args: argparse.Namespace) -> list[dict]:
+    """PureJaxRL's PPO and rejax's SAC (docs/peers/), each a process with their own packages
+    (--peers-path DIR: DIR/site on PYTHONPATH, PureJaxRL's files in DIR/purejaxrl)."""
+    site = [os.path.join(args.peers_path, "site"), os.environ.get("PYTHONPATH", "")]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(site)}
+    rows = []
+    for peer in ("purejaxrl_ppo", "rejax_sac"):  # each its own config (--quick: a few steps)
+        command = [*DIE_WITH_PARENT, sys.executable, f"docs/peers/{peer}.py", args.peers_path]
+        command += ["--quick"] if args.quick else []
+        done = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
+        if done.returncode != 0:  # not our dependency: a peer that cannot run is skipped
+            print(f"  {peer} skipped: {done.stderr.strip()[-500:]}", flush=True)
+            continue
+        figures = json.loads(done.stdout.strip().splitlines()[-1])
+        row = dict(benchmark="peer", library=peer, env=peer, num_envs=figures.get("num_envs"))
+        rows.append(report(row | figures))
+    return save(args, rows)
+
+
+# ---- the lists: `all` and `gpu`; on a CPU, `gpu` runs its list tiny (a test's run) ----
+GPU_ENV_SIZES = [2**10, 2**14, 2**18, 2**20, 2**22]
+PPO_2048_ENVS = "--num-envs 2048 --total-timesteps 2621440 --log-every 131072"  # 20 iterations
+GPU_LIST = [  # (benchmark, options): docs/benchmarks.md's GPU list, <= 8 min on one H100
+    ("envs", dict(envs=["CartPole-v1", "Pendulum-v1", "Snake"], num_envs=GPU_ENV_SIZES)),
+    ("seeds", dict(scripts=["sac_cartpole"], seeds=[1, 8, 64])),
+    ("seeds", dict(scripts=["ppo_cartpole"], seeds=[1, 64, 1024])),
+    ("seeds", dict(scripts=["sac_pendulum", "ppo_snake"], seeds=[1, 64])),
+    ("launch", dict(scripts=["sac_cartpole"], runs=1, flags=["--num-envs", "1024"])),
+    ("solve", dict(scripts=["sac_pendulum", "ppo_cartpole"], runs=1)),
+    ("solve", dict(scripts=["ppo_cartpole"], runs=1, flags=PPO_2048_ENVS.split())),
+    ("peers", {}),
+    ("sweep", dict(sweep=["q-lr=3e-4,5e-4,1e-3,2e-3,3e-3,5e-3,1e-2,2e-2"], num_seeds=8)),
+]
+ALL_LIST = ["envs", "train", "seeds", "solve", "launch"]
+TINY = dict(quick=True, num_envs=[16, 256], seeds=[1, 2], sweep=["q-lr=1e-3,3e-3"], num_seeds=1)
+
+
+def run_plan(args: argparse.Namespace) -> None:
+    """`all` or `gpu`: its benchmarks with their options; then all their rows as one table."""
+    plan = GPU_LIST if args.command == "gpu" else [(name, {}) for name in ALL_LIST]
+    rows, failed = [], []
+    for name, options in plan:
+        if args.command == "gpu" and jax.default_backend() == "cpu":  # 1/128 of the envs
+            given = options.get("flags", [])
+            flags = [str(int(word) // 128) if word.isdigit() else word for word in given]
+            options = options | TINY | dict(flags=[*flags, *TINY_FLAGS])
+        try:  # one benchmark's failure does not cost the others their (GPU) time
+            rows += RUNS[name](argparse.Namespace(**vars(args) | options))
+        except Exception as error:  # said now, and by the exit status at the end
+            print(f"{name} {options} failed: {error!r}", flush=True)
+            failed.append(name)
+    columns = ["benchmark", "library", "env", "num_envs", "num_seeds", *HEADLINE]
+    for row in [dict(zip(columns, columns, strict=True)), dict.fromkeys(columns, "---"), *rows]:
+        print("| " + " | ".join(str(row.get(column, "")) for column in columns) + " |")
+    sys.exit(f"failed: {', '.join(failed)}" if failed else 0)
 
 
 # ---- command line: `benchmark.py envs` calls run_envs(args) ----
 RUNS = {run.__name__[4:]: run for run in (run_envs, run_train, run_seeds, run_solve, run_launch)}
-RUNS |= {run.__name__[4:]: run for run in (run_versus, run_sweep, run_distributed, run_all)}
+RUNS |= {run.__name__[4:]: run for run in (run_versus, run_sweep, run_distributed, run_peers)}
+RUNS |= {"all": run_plan, "gpu": run_plan}
 
 
 def main() -> None:
@@ -582,7 +577,7 @@ def main() -> None:
     parser.add_argument(*flags, type=shlex.split, default=[], help="for every run of a script")
     parser.add_argument("--num-envs", type=int, nargs="+", help="envs, train, versus: sizes")
     parser.add_argument("--envs", nargs="+", default=ENV_NAMES, choices=ENV_NAMES, help="envs")
-    parser.add_argument("--no-reference", action="store_true", help="envs: no gymnax, jumanji")
+    parser.add_argument("--no-reference", action="store_true", help="envs: no gymnax")
     parser.add_argument("--steps-per-env", type=int, help="SAC 64, PPO 512 (--quick: / 4)")
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds: counts (1 4 16 64)")
     parser.add_argument("--script", default="sac_pendulum", choices=SCRIPTS, help="sweep's script")
@@ -590,6 +585,7 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="+", default=grid, help="sweep: the script's --sweep")
     parser.add_argument("--num-seeds", type=int, help="sweep: per point (2); distributed (8)")
     parser.add_argument("--processes", type=int, default=2, help="distributed: at least 2")
+    parser.add_argument("--peers-path", default=".peers", help="peers, gpu: DIR/site, purejaxrl")
     args = parser.parse_intermixed_args()
     if (args.command == "versus") != (args.baseline is not None):
         parser.error("only versus takes a checkout: benchmark.py versus BASELINE")

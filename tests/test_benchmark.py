@@ -2,7 +2,9 @@
 on every one), and its plot where it draws one, next to the --output JSON in a temporary
 directory. Timings are never asserted, only that they were measured."""
 
+import collections
 import csv
+import itertools
 import json
 import shutil
 import subprocess
@@ -85,32 +87,9 @@ def test_train_and_seeds_write_rows_and_plots(tmp_path: Path) -> None:
     assert (tmp_path / "benchmark_seeds.png").stat().st_size > 0
 
 
-@pytest.mark.slow
-def test_solve_reads_the_scripts_summary(tmp_path: Path) -> None:
-    output = tmp_path / "benchmarks.json"
-    rows = benchmark(
-        output,
-        "solve",
-        "--quick",
-        "--solve-scripts",
-        "ppo_cartpole",
-        "--solve-flags=--total-timesteps 4096 --num-envs 8 --log-every 1024 --eval-episodes 1",
-    )
-    (row,) = rows
-    assert (
-        row["benchmark"] == "time_to_solve"
-        and row["library"] == "ppo_cartpole"
-        and row["runs"] == 1
-    )
-    assert row["solved_bar"] == 475.0 and row["num_envs"] == 8 and row["env_steps"] == 4096
-    assert row["train_seconds"] > 0 and row["compile_seconds"] > 0
-    assert len(row["final_returns"]) == 1 and row["solved_runs"] in (0, 1)
-    check_stamped(rows)
-
-
-def test_first_crossing_seconds() -> None:
+def test_first_crossing_and_launch_to_solved() -> None:
     sys.path.insert(0, str(REPO))
-    from benchmark import first_crossing_seconds
+    from benchmark import first_crossing_seconds, launch_to_solved
 
     lines = (
         "seed,env_steps,wall_seconds,episode_return\n0,100,1.5,nan\n0,200,2.5,480.0\n0,300,3.5,490"
@@ -120,26 +99,10 @@ def test_first_crossing_seconds() -> None:
     )  # metrics.csv's rows, as run_script reads them
     assert first_crossing_seconds(metrics, 475.0) == 2.5
     assert first_crossing_seconds(metrics, 495.0) is None
-
-
-@pytest.mark.slow
-def test_launch_times_cold_and_warm_compile_caches(tmp_path: Path) -> None:
-    output = tmp_path / "benchmarks.json"
-    rows = benchmark(
-        output,
-        "launch",
-        "--quick",
-        "--launch-scripts",
-        "sac_pendulum",
-        "--launch-flags=--total-timesteps 2048 --log-every 1024 --eval-episodes 1 --no-capture-gif",
-    )
-    (row,) = rows
-    assert row["benchmark"] == "launch" and row["library"] == "sac_pendulum" and row["runs"] == 1
-    for side in ("cold", "warm"):  # measured, never asserted on beyond their order
-        assert 0 < row[f"{side}_first_progress_seconds"] < row[f"{side}_seconds"]
-        assert row[f"{side}_compile_seconds"] > 0
-    assert len(row["final_returns"]) == 2
-    check_stamped(rows)
+    # The first progress line (row 1, 1.5 s into training) printed 10 s after launch: training
+    # began at 8.5 s, so the bar was crossed 2.5 s later, at 11.0 s.
+    run = {"metrics": metrics, "first_progress_seconds": 10.0}
+    assert launch_to_solved(run, 475.0) == 11.0 and launch_to_solved(run, 495.0) is None
 
 
 @pytest.mark.slow
@@ -175,24 +138,49 @@ def test_versus_compares_two_trees_side_by_side(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sweep_times_one_program_against_one_process_per_run(tmp_path: Path) -> None:
-    """It also checks that the single runs end where the sweep's runs do."""
+def test_gpu_list_runs_whole_and_tiny_on_a_cpu(tmp_path: Path) -> None:
+    """`benchmark.py gpu` on a CPU: every benchmark of the GPU list at tiny sizes, the launch,
+    solve and sweep rows read from the scripts' own outputs; the peers are not installed here,
+    so each is skipped with a line; the rows end as one table."""
     output = tmp_path / "benchmarks.json"
-    rows = benchmark(
-        output,
-        "sweep",
-        "--script",
-        "sac_pendulum",
-        "--sweep",
-        "tau=0.02,0.05",
-        "--num-seeds",
-        "1",
-        "--sweep-flags=--total-timesteps 2048 --log-every 1024 --eval-episodes 1",
-    )
-    (row,) = rows
-    assert row["benchmark"] == "sweep" and row["num_seeds"] == 2 and row["seeds_per_point"] == 1
-    assert row["sweep_seconds"] > 0 and row["single_runs_seconds"] > 0
+    command = [*DIE_WITH_PARENT, sys.executable, "benchmark.py", "--output", str(output), "gpu"]
+    command += ["--peers-path", str(tmp_path / "no-peers")]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(output.read_text())["rows"]
     check_stamped(rows)
+    kinds = collections.defaultdict(list)
+    for row in rows:
+        kinds[row["benchmark"]].append(row)
+    assert sorted(kinds) == ["env_steps", "launch", "seed_scaling", "sweep", "time_to_solve"]
+    ours = {(row["env"], row["num_envs"]) for row in kinds["env_steps"] if row["library"] == "ours"}
+    assert ours == set(itertools.product(["CartPole-v1", "Pendulum-v1", "Snake"], [16, 256]))
+    seeds = {(row["library"], row["num_seeds"]) for row in kinds["seed_scaling"]}
+    scripts = ["sac_cartpole", "ppo_cartpole", "sac_pendulum"]  # ppo_snake: not on a CPU (quick)
+    assert seeds == set(itertools.product(scripts, [1, 2]))
+
+    (launch,) = kinds["launch"]  # sac_cartpole --num-envs 1024 at 1/128 the envs, a few chunks
+    assert (launch["library"], launch["num_envs"], launch["runs"]) == ("sac_cartpole", 8, 1)
+    for side in ("cold", "warm"):  # measured, never asserted on beyond their order
+        assert 0 < launch[f"{side}_first_progress_seconds"] < launch[f"{side}_seconds"]
+        assert launch[f"{side}_compile_seconds"] > 0 and len(launch[f"{side}_final_returns"]) == 1
+        assert len(launch[f"{side}_launch_to_solved_runs"]) == 1
+    solves = {(row["library"], row["num_envs"]): row for row in kinds["time_to_solve"]}
+    assert set(solves) == {("sac_pendulum", 16), ("ppo_cartpole", 32), ("ppo_cartpole", 16)}
+    for row in solves.values():
+        assert row["env_steps"] == 4096 and row["env_steps_per_second"] > 0
+        assert row["cold_train_seconds"] > 0 and row["solved_runs"] in (0, 1)
+    assert solves["ppo_cartpole", 32]["solved_bar"] == 475.0
+
+    (sweep,) = kinds["sweep"]  # two grid points of one seed: one process against two
+    assert sweep["library"] == "sac_pendulum" and sweep["num_seeds"] == 2
+    assert sweep["sweep_seconds"] > 0 and sweep["single_runs_seconds"] > 0
+    assert len(sweep["sweep_final_returns"]) == len(sweep["single_final_returns"]) == 2
+
+    for peer in ("purejaxrl_ppo", "rejax_sac"):
+        assert f"  {peer} skipped: " in done.stdout
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| benchmark | library | env |") and len(table) == 2 + len(rows)
 
 
 @pytest.mark.slow
