@@ -38,8 +38,6 @@ from matplotlib.figure import Figure
 
 import envs
 
-# One GPU serves this process and the runs it launches: none takes JAX's default 75% up front.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 REPO = os.path.dirname(os.path.abspath(__file__))
 ROW_KEY = ("benchmark", "library", "env", "num_envs", "num_seeds", "device")
 ENV_NAMES = ["CartPole-v1", "CartPoleContinuous", "CartPoleSwingup", "Pendulum-v1", "Snake"]
@@ -51,6 +49,9 @@ TINY_FLAGS = ["--total-timesteps", "4096", "--log-every", "1024", "--eval-episod
 HEADLINE = ["steps_per_second", "env_steps_per_second", "updates_per_second", "ratio_to_reference"]
 HEADLINE += ["ratio_to_one_seed", "cold_launch_to_solved_runs", "first_crossing_seconds", "speedup"]
 STEPS_PER_ENV = {"sac": 64, "ppo": 512}  # per timed chunk, ~1 s of CPU work (--quick: a 4th)
+# On a GPU this process takes JAX's default 75% up front (a 64-seed ppo_snake chunk needs one
+# 36 GB block); the runs it launches (scripts, peers) share the rest, allocating as they go.
+CHILD_MEMORY = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 # A command's prefix: no --distributed worker outlives a killed benchmark.py (setpriv, Linux).
 DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
 
@@ -303,7 +304,7 @@ def run_script(script, cache_dir, flags, tree=REPO, processes=1, environment=Non
             cluster += ["--num-processes", str(processes)]
             commands = [[*cluster, "--process-id", str(index)] for index in range(processes)]
         environment = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir, **(environment or {})}
-        environment["PYTHONUNBUFFERED"] = "1"
+        environment.update(CHILD_MEMORY, PYTHONUNBUFFERED="1")
         options = dict(stderr=subprocess.STDOUT, text=True, env=environment, cwd=tree)
         start = time.perf_counter()
         running = [subprocess.Popen(commands[0], stdout=subprocess.PIPE, **options)]
@@ -499,7 +500,7 @@ def run_peers(args: argparse.Namespace) -> list[dict]:
     """PureJaxRL's PPO and rejax's SAC (docs/peers/), each a process with their own packages
     (--peers-path DIR: DIR/site on PYTHONPATH, PureJaxRL's files in DIR/purejaxrl)."""
     site = [os.path.join(args.peers_path, "site"), os.environ.get("PYTHONPATH", "")]
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(site)}
+    environment = {**os.environ, **CHILD_MEMORY, "PYTHONPATH": os.pathsep.join(site)}
     rows = []
     for peer in ("purejaxrl_ppo", "rejax_sac"):  # each its own config (--quick: a few steps)
         command = [*DIE_WITH_PARENT, sys.executable, f"docs/peers/{peer}.py", args.peers_path]
