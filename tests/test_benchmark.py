@@ -157,7 +157,9 @@ def test_gpu_list_runs_whole_and_tiny_on_a_cpu(tmp_path: Path) -> None:
     assert ours == set(itertools.product(["CartPole-v1", "Pendulum-v1", "Snake"], [16, 256]))
     seeds = {(row["library"], row["num_seeds"]) for row in kinds["seed_scaling"]}
     scripts = ["sac_cartpole", "ppo_cartpole", "sac_pendulum"]  # ppo_snake: not on a CPU (quick)
-    assert seeds == set(itertools.product(scripts, [1, 2]))
+    assert seeds == set(itertools.product(scripts, [1]))
+    assert (tmp_path / "benchmark_envs.png").stat().st_size > 0
+    assert (tmp_path / "benchmark_seeds.png").stat().st_size > 0
 
     (launch,) = kinds["launch"]  # sac_cartpole --num-envs 1024 at 1/128 the envs, a few chunks
     assert (launch["library"], launch["num_envs"], launch["runs"]) == ("sac_cartpole", 8, 1)
@@ -172,10 +174,10 @@ def test_gpu_list_runs_whole_and_tiny_on_a_cpu(tmp_path: Path) -> None:
         assert row["cold_train_seconds"] > 0 and row["solved_runs"] in (0, 1)
     assert solves["ppo_cartpole", 32]["solved_bar"] == 475.0
 
-    (sweep,) = kinds["sweep"]  # two grid points of one seed: one process against two
-    assert sweep["library"] == "sac_pendulum" and sweep["num_seeds"] == 2
+    (sweep,) = kinds["sweep"]  # one grid point of one seed: one process against one
+    assert sweep["library"] == "sac_pendulum" and sweep["num_seeds"] == 1
     assert sweep["sweep_seconds"] > 0 and sweep["single_runs_seconds"] > 0
-    assert len(sweep["sweep_final_returns"]) == len(sweep["single_final_returns"]) == 2
+    assert len(sweep["sweep_final_returns"]) == len(sweep["single_final_returns"]) == 1
 
     for peer in ("purejaxrl_ppo", "rejax_sac"):
         assert f"  {peer} skipped: " in done.stdout
