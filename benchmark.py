@@ -518,7 +518,7 @@ def run_peers(args: argparse.Namespace) -> list[dict]:
 # ---- the lists: `all` and `gpu`; on a CPU, `gpu` runs its list tiny (a test's run) ----
 GPU_ENV_SIZES = [2**10, 2**14, 2**18, 2**20, 2**22]
 PPO_2048_ENVS = "--num-envs 2048 --total-timesteps 2621440 --log-every 131072"  # 20 iterations
-GPU_LIST = [  # (benchmark, options): docs/benchmarks.md's GPU list, <= 8 min on one H100
+GPU_LIST = [  # (benchmark, options): docs/benchmarks.md's GPU list; 466 s on one H200
     ("envs", dict(envs=["CartPole-v1", "Pendulum-v1", "Snake"], num_envs=GPU_ENV_SIZES)),
     ("seeds", dict(scripts=["sac_cartpole"], seeds=[1, 8, 64])),
     ("seeds", dict(scripts=["ppo_cartpole"], seeds=[1, 64, 1024])),
