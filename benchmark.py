@@ -9,7 +9,8 @@
     python benchmark.py sweep             # a --sweep grid in one process vs one process per run
     python benchmark.py distributed       # the same runs in one process vs two (--distributed)
     python benchmark.py all --quick       # envs, train, seeds, solve and launch, short
-    python benchmark.py gpu --peers-path DIR  # the GPU list (docs/benchmarks.md), peers beside
+    python benchmark.py peers             # PureJaxRL's PPO and rejax's SAC (--peers-path DIR)
+    python benchmark.py gpu               # the GPU list of docs/benchmarks.md (a CPU: tiny)
 Rows merge into --output (docs/benchmarks.json) by ROW_KEY; envs, train, seeds draw a PNG too.
 """
 
@@ -507,7 +508,8 @@ def run_peers(args: argparse.Namespace) -> list[dict]:
         command += ["--quick"] if args.quick else []
         done = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
         if done.returncode != 0:  # not our dependency: a peer that cannot run is skipped
-            print(f"  {peer} skipped: {done.stderr.strip()[-500:]}", flush=True)
+            error = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"  {peer} skipped ({error}): see docs/benchmarks.md, --peers-path", flush=True)
             continue
         figures = json.loads(done.stdout.strip().splitlines()[-1])
         row = dict(benchmark="peer", library=peer, env=peer, num_envs=figures.get("num_envs"))
@@ -586,7 +588,7 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="+", default=grid, help="sweep: the script's --sweep")
     parser.add_argument("--num-seeds", type=int, help="sweep: per point (2); distributed (8)")
     parser.add_argument("--processes", type=int, default=2, help="distributed: at least 2")
-    parser.add_argument("--peers-path", default=".peers", help="peers, gpu: DIR/site, purejaxrl")
+    parser.add_argument("--peers-path", default=".peers", help="peers: DIR/site, DIR/purejaxrl")
     args = parser.parse_intermixed_args()
     if (args.command == "versus") != (args.baseline is not None):
         parser.error("only versus takes a checkout: benchmark.py versus BASELINE")
