@@ -353,6 +353,12 @@ def launch_to_solved(run: dict, bar: float) -> float | None:
     return None if crossing is None else round(start + crossing, 2)
 
 
+def cold_then_warm(script: str, flags: list[str], sides=("cold", "warm"), tree=REPO) -> dict:
+    """A run per side, all from one compile cache: empty for the first (cold), then as filled."""
+    with tempfile.TemporaryDirectory() as cache:
+        return {side: run_script(script, cache, flags, tree) for side in sides}
+
+
 def run_launch(args: argparse.Namespace, sides: tuple = ("cold", "warm")) -> list[dict]:
     """Each default run in fresh processes, seeds 1, 2, ... (--runs): launch to first progress
     line, to the solved bar and to exit; cold (an empty compile cache), then warm (it filled)."""
@@ -364,20 +370,15 @@ def run_launch(args: argparse.Namespace, sides: tuple = ("cold", "warm")) -> lis
         runs = collections.defaultdict(list)  # side -> its runs, seed after seed
         for index in range(1 if args.quick else args.runs):  # the default seed first
             flags = [*SCRIPT_FLAGS, "--seed", str(module.Config().seed + index), *args.flags]
-            with tempfile.TemporaryDirectory() as cache:
-                for side in sides:
-                    runs[side].append(run_script(script, cache, flags))
+            for side, run in cold_then_warm(script, flags, sides).items():
+                runs[side].append(run)
         benchmark = "launch" if "warm" in sides else "time_to_solve"
         row = dict(benchmark=benchmark, library=script, env=script, num_seeds=1, solved_bar=bar)
         row.update(num_envs=runs["cold"][0].get("num_envs"), runs=len(runs["cold"]))
-        for side in sides:
-            row.update(figures(side, runs[side]))
-            row[f"{side}_launch_to_solved_runs"] = [
-                launch_to_solved(run, bar) for run in runs[side]
-            ]
-            row[f"{side}_final_returns"] = [
-                round(run["final_return_mean"], 2) for run in runs[side]
-            ]
+        for side, done in runs.items():
+            row.update(figures(side, done))
+            row[f"{side}_launch_to_solved_runs"] = [launch_to_solved(run, bar) for run in done]
+            row[f"{side}_final_returns"] = [round(run["final_return_mean"], 2) for run in done]
         row["env_steps"] = int(runs["cold"][0]["metrics"][-1]["env_steps"])
         for name in ("env_steps_per_second", "updates_per_second"):
             row[name] = round(statistics.median(run[name] for run in runs["cold"]))
@@ -411,9 +412,7 @@ def run_versus(args: argparse.Namespace) -> list[dict]:
                 subprocess.run([*command, *map(str, sizes[script])], check=True, cwd=trees[name])
                 for row in json.loads(output.read_text())["rows"]:
                     speeds[name, script, row["num_envs"]].append(row["steps_per_second"])
-                with tempfile.TemporaryDirectory() as cache:  # empty, then filled by the cold run
-                    runs = [run_script(script, cache, args.flags, trees[name]) for _ in range(2)]
-                launches[name, script].append(dict(zip(("cold", "warm"), runs, strict=True)))
+                launches[name, script].append(cold_then_warm(script, args.flags, tree=trees[name]))
     rows = []
     for script, num_envs in [(name, size) for name in scripts for size in sizes[name]]:
         row = dict(benchmark="versus_train", library=script, env=script, num_envs=num_envs)
