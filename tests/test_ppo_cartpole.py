@@ -234,7 +234,8 @@ def test_evaluation_starts_from_other_states_than_training():
     env, env_params = ppo.make_env(config)
     reset_key, _ = jax.random.split(keys.evaluate[0])  # as make_greedy_episodes splits it
     reset_keys = jax.random.split(reset_key, 8)
-    evaluation_obs = np.asarray(jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0])
+    reset = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))  # one program, not eager ops
+    evaluation_obs = np.asarray(reset(reset_keys, env_params)[0])
     assert not np.isclose(training_obs[:, None, :], evaluation_obs[None, :, :]).all(-1).any()
     assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3
 

@@ -84,22 +84,28 @@ def test_the_trunk_sees_how_soon_each_body_cell_is_free():
     and a channel of ones; a snake of 5 along the top row of the fixed board, tail at column 0."""
     env = envs.Snake()
     params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
-    _, state = env.reset(jax.random.key(0), params)
-    body = jnp.zeros((6, 6), jnp.int32).at[0, :5].set(jnp.arange(1, 6))
-    state = state.replace(body=body, head=jnp.array([0, 4]), length=jnp.int32(5))
+    _, state = jax.jit(env.reset)(jax.random.key(0), params)
+    body = np.zeros((6, 6), np.int32)
+    body[0, :5] = np.arange(1, 6)
+    state = state.replace(body=jnp.asarray(body), head=jnp.array([0, 4]), length=jnp.int32(5))
     state = state.replace(food=jnp.array([3, 3]))
     network = ppo.make_network(ppo.Config(), 4)
-    obs = env.get_obs(state, params)
-    trunk_inputs = []
+    obs = jax.jit(env.get_obs)(state, params)
 
-    def record_trunk_input(next_fun, args, kwargs, context):
-        if isinstance(context.module, ppo.ConvTrunk):
-            trunk_inputs.append(args[0])
-        return next_fun(*args, **kwargs)
+    @jax.jit  # one program (the suite compiles fewer, larger programs than eager ops)
+    def trunk_input(obs):
+        trunk_inputs = []
 
-    with nn.intercept_methods(record_trunk_input):
-        network.init(jax.random.key(0), obs)
-    board = np.asarray(trunk_inputs[0])
+        def record_trunk_input(next_fun, args, kwargs, context):
+            if isinstance(context.module, ppo.ConvTrunk):
+                trunk_inputs.append(args[0])
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(record_trunk_input):
+            network.init(jax.random.key(0), obs)
+        return trunk_inputs[0]
+
+    board = np.asarray(trunk_input(obs))
     assert board.shape == (6, 6, 5)
     np.testing.assert_array_equal(board[..., :3], obs)
     soon_free = np.zeros((6, 6), np.float32)
@@ -141,7 +147,7 @@ def test_deadly_move_mask_is_the_envs_death_rule(egocentric):
     stays). The fixed board's move back into the neck is the reverse-move mask's."""
     env, params, obs, states, keys = play_randomly(envs.Snake(egocentric=egocentric))
     network = ppo.make_network(ppo.Config(), env.num_actions)
-    variables = network.init(jax.random.key(0), obs[0])
+    variables = jax.jit(network.init)(jax.random.key(0), obs[0])
     logits = np.asarray(jax.jit(network.apply)(variables, obs)[0])
     moves = np.arange(env.num_actions)
     step = jax.vmap(jax.vmap(env.step_env, (None, None, 0, None)), (0, 0, None, None))
@@ -149,7 +155,7 @@ def test_deadly_move_mask_is_the_envs_death_rule(egocentric):
     dies = np.asarray(done & ~info["won"])
     masked = logits < -1e8
     if not egocentric:
-        reverse = np.asarray(ppo.reverse_move_mask(obs))
+        reverse = np.asarray(jax.jit(ppo.reverse_move_mask)(obs))
         masked, dies = masked[~reverse], dies[~reverse]
     just_ate = np.asarray(states.steps_since_food == 0) & (np.asarray(states.length) > 1)
     assert dies.mean() > 0.1 and just_ate.sum() > 100  # deaths of every kind, and meals
@@ -216,10 +222,12 @@ def test_room_is_a_flood_fill_by_hand_and_the_shield_leaves_the_most_room(egocen
     env, params = envs.Snake(egocentric=egocentric), envs.SnakeParams(grid_size=6)
     bodies = random_long_snakes(1000)
     heads = [np.argwhere(body == body.max())[0] for body in bodies]
-    state = env.reset(jax.random.key(0), params)[1]
-    states = jax.vmap(
-        lambda body, head, direction, mirrored: state.replace(
-            body=body, head=head, direction=direction, length=body.max(), mirrored=mirrored
+    state = jax.jit(env.reset)(jax.random.key(0), params)[1]
+    states = jax.jit(
+        jax.vmap(
+            lambda body, head, direction, mirrored: state.replace(
+                body=body, head=head, direction=direction, length=body.max(), mirrored=mirrored
+            )
         )
     )(
         jnp.asarray(bodies, jnp.int32),
@@ -227,8 +235,8 @@ def test_room_is_a_flood_fill_by_hand_and_the_shield_leaves_the_most_room(egocen
         jnp.arange(1000, dtype=jnp.int32) % 4,
         jnp.arange(1000) % 8 < 4,
     )
-    obs = jax.vmap(env.get_obs, (0, None))(states, params)
-    room = np.asarray(ppo.room_after_move(obs, env.num_actions))
+    obs = jax.jit(jax.vmap(env.get_obs, (0, None)))(states, params)
+    room = np.asarray(jax.jit(ppo.room_after_move, static_argnums=1)(obs, env.num_actions))
     view_moves = ((0, -1), (-1, 0), (0, 1)) if egocentric else envs.SNAKE_MOVES
     body_order = np.round(np.asarray(obs[..., 1]) * bodies.max((1, 2))[:, None, None])
     for i, view in enumerate(body_order):
@@ -238,7 +246,7 @@ def test_room_is_a_flood_fill_by_hand_and_the_shield_leaves_the_most_room(egocen
     length = bodies.max((1, 2))[:, None]
     dead_end = (room < np.minimum(length, room.max(-1, keepdims=True))) & (room > 0)
     assert dead_end.sum() > 20 and ((room > 0) & (room < 36)).sum() > 80  # pockets of all sizes
-    shielded = np.asarray(ppo.dead_end_mask(obs, env.num_actions))
+    shielded = np.asarray(jax.jit(ppo.dead_end_mask, static_argnums=1)(obs, env.num_actions))
     np.testing.assert_array_equal(shielded, (room == 0) | dead_end)
     most_room = np.take_along_axis(shielded, room.argmax(-1)[:, None], axis=-1)[:, 0]
     np.testing.assert_array_equal(most_room, room.max(-1) == 0)
@@ -280,20 +288,20 @@ def test_a_boxed_in_snake_has_every_move_masked_and_a_uniform_policy():
     """A snake of 6 curled into the top-left corner, its head in the corner facing the wall."""
     env = envs.Snake(egocentric=True)
     params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
-    _, state = env.reset(jax.random.key(0), params)
-    body = jnp.zeros((6, 6), jnp.int32)
+    _, state = jax.jit(env.reset)(jax.random.key(0), params)
+    body = np.zeros((6, 6), np.int32)
     for order, cell in enumerate([(2, 1), (2, 0), (1, 0), (1, 1), (0, 1), (0, 0)], start=1):
-        body = body.at[cell].set(order)
-    state = state.replace(body=body, head=jnp.array([0, 0]), length=jnp.int32(6))
+        body[cell] = order
+    state = state.replace(body=jnp.asarray(body), head=jnp.array([0, 0]), length=jnp.int32(6))
     state = state.replace(direction=jnp.int32(3), food=jnp.array([4, 4]))  # moved left
     moves = jnp.arange(3)
-    _, _, reward, done, _ = jax.vmap(env.step_env, (None, None, 0, None))(
+    _, _, reward, done, _ = jax.jit(jax.vmap(env.step_env, (None, None, 0, None)))(
         jax.random.key(1), state, moves, params
     )
     assert (np.asarray(reward) == -1).all() and np.asarray(done).all()
     network = ppo.make_network(ppo.Config(), 3)
-    obs = env.get_obs(state, params)
-    logits = network.apply(network.init(jax.random.key(0), obs), obs)[0]
+    obs = jax.jit(env.get_obs)(state, params)
+    logits = jax.jit(lambda obs: network.apply(network.init(jax.random.key(0), obs), obs)[0])(obs)
     assert (np.asarray(logits) < -1e8).all()
     np.testing.assert_allclose(jax.nn.softmax(logits), 1 / 3, rtol=1e-5)
 
@@ -319,7 +327,7 @@ def test_the_default_view_is_egocentric_and_the_first_policy_uniform_over_the_sa
     assert env.egocentric and env.num_actions == 3 and params.max_steps_without_food == 200
     obs = play_randomly(env)[2][::8]
     net = ppo.make_network(ppo.Config(), env.num_actions)
-    logits = net.apply(net.init(jax.random.key(0), obs[0]), obs)[0]
+    logits = jax.jit(lambda obs: net.apply(net.init(jax.random.key(0), obs[0]), obs)[0])(obs)
     masked = np.asarray(logits < -1e8)
     assert 0 < masked.mean() < 0.5
     allowed = np.where(masked.all(-1, keepdims=True), 3, 3 - masked.sum(-1, keepdims=True))
@@ -553,7 +561,8 @@ def test_evaluation_starts_from_other_states_than_training():
     env, env_params = ppo.make_env(config)
     episode_keys = jax.random.split(keys.evaluate[0], 8)  # as evaluate does for 8 episodes
     reset_keys = jax.vmap(lambda key: jax.random.split(key)[0])(episode_keys)
-    evaluation_obs = np.asarray(jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0])
+    reset = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))
+    evaluation_obs = np.asarray(reset(reset_keys, env_params)[0])
     same = (training_obs[:, None] == evaluation_obs[None, :]).all(axis=(-3, -2, -1))
     assert not same.any()
     assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3

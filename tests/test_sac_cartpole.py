@@ -8,6 +8,7 @@ output folders, the compile cache, refused files): test_cli_block.py keeps the f
 
 import csv
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -193,8 +194,9 @@ def test_evaluation_and_gif_start_from_other_states_than_training():
     env, env_params = sac.make_env(config)
     keys = sac.seed_keys(config)
     init, _, _ = sac.make_train(config)
-    training = init(keys.train[0]).obs
+    training = jax.jit(init)(keys.train[0]).obs  # jitted: one program, not ~90 eager ones
 
+    @functools.partial(jax.jit, static_argnums=1)
     def first_states(key, count):  # make_evaluate's and make_render's first split
         reset_keys = jax.random.split(jax.random.split(key)[0], count)
         return jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0]

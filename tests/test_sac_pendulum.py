@@ -58,15 +58,17 @@ TINY_FLAGS = [
 
 def transitions(rewards, obs_dim=3, action_dim=1) -> sac.Transition:
     """Transitions whose every field encodes its reward, so a slot's content is recognisable."""
-    rewards = jnp.asarray(rewards, jnp.float32)
-    n = rewards.shape[0]
+    rewards = np.asarray(rewards, np.float32)  # built in NumPy: no compiled op per shape
     column = rewards[:, None]
-    return sac.Transition(
-        obs=jnp.tile(column, (1, obs_dim)),
-        action=jnp.tile(column, (1, action_dim)),
-        reward=rewards,
-        next_obs=jnp.tile(column + 0.5, (1, obs_dim)),
-        terminated=jnp.zeros(n),
+    return jax.tree.map(
+        jnp.asarray,
+        sac.Transition(
+            obs=np.tile(column, (1, obs_dim)),
+            action=np.tile(column, (1, action_dim)),
+            reward=rewards,
+            next_obs=np.tile(column + 0.5, (1, obs_dim)),
+            terminated=np.zeros(len(rewards), np.float32),
+        ),
     )
 
 
@@ -74,10 +76,11 @@ def transitions(rewards, obs_dim=3, action_dim=1) -> sac.Transition:
 
 
 def test_buffer_add_wraps_around():
+    add = jax.jit(sac.buffer_add)  # one program (eager, every op would compile on its own)
     buffer = sac.buffer_init(capacity=5, obs_dim=3, action_dim=1)
-    buffer = sac.buffer_add(buffer, transitions([1, 2, 3]))
+    buffer = add(buffer, transitions([1, 2, 3]))
     assert (int(buffer.position), int(buffer.size)) == (3, 3)
-    buffer = sac.buffer_add(buffer, transitions([4, 5, 6]))  # 6 goes to slot 0
+    buffer = add(buffer, transitions([4, 5, 6]))  # 6 goes to slot 0
     assert (int(buffer.position), int(buffer.size)) == (1, 5)
     np.testing.assert_array_equal(buffer.data.reward, [6, 2, 3, 4, 5])
     np.testing.assert_array_equal(buffer.data.obs[:, 0], [6, 2, 3, 4, 5])
@@ -85,10 +88,11 @@ def test_buffer_add_wraps_around():
 
 
 def test_buffer_samples_only_filled_slots_and_all_of_them():
-    buffer = sac.buffer_add(
+    buffer = jax.jit(sac.buffer_add)(
         sac.buffer_init(capacity=100, obs_dim=3, action_dim=1), transitions(np.arange(1, 11))
     )
-    batch = sac.buffer_sample(buffer, jax.random.key(0), batch_size=2000)
+    sample = jax.jit(sac.buffer_sample, static_argnames="batch_size")
+    batch = sample(buffer, jax.random.key(0), batch_size=2000)
     chex.assert_shape(
         [batch.obs, batch.next_obs, batch.action, batch.reward, batch.terminated],
         [(2000, 3), (2000, 3), (2000, 1), (2000,), (2000,)],
@@ -197,15 +201,16 @@ def test_squashed_density_integrates_to_one():
 
 def test_sample_is_reparameterised_and_in_bounds():
     noise = jax.random.normal(jax.random.key(0), (1000, 1))
-    action, log_prob = sac.squashed_gaussian_sample(
-        jnp.zeros((1000, 1)), jnp.full((1000, 1), 1.0), noise, 2.0, 0.0
-    )
+    sample = jax.jit(sac.squashed_gaussian_sample, static_argnums=(3, 4))
+    action, log_prob = sample(jnp.zeros((1000, 1)), jnp.full((1000, 1), 1.0), noise, 2.0, 0.0)
     assert action.shape == (1000, 1) and log_prob.shape == (1000,)
     assert float(jnp.abs(action).max()) <= 2.0
-    grad = jax.grad(
-        lambda m: sac.squashed_gaussian_sample(m, jnp.zeros((1, 1)), jnp.ones((1, 1)), 2.0, 0.0)[
-            0
-        ].sum()
+    grad = jax.jit(
+        jax.grad(
+            lambda m: sac.squashed_gaussian_sample(
+                m, jnp.zeros((1, 1)), jnp.ones((1, 1)), 2.0, 0.0
+            )[0].sum()
+        )
     )
     np.testing.assert_allclose(grad(jnp.zeros((1, 1))), 2.0 / np.cosh(1.0) ** 2, rtol=1e-5)
 
@@ -291,7 +296,8 @@ def test_evaluation_starts_from_other_states_than_training():
     env, env_params = sac.make_env(config)
     reset_key, _ = jax.random.split(keys.evaluate[0])  # as make_evaluate splits it
     reset_keys = jax.random.split(reset_key, 8)
-    evaluation_obs = np.asarray(jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0])
+    reset = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))  # one program, not eager ops
+    evaluation_obs = np.asarray(reset(reset_keys, env_params)[0])
     assert not np.isclose(training_obs[:, None, :], evaluation_obs[None, :, :]).all(-1).any()
     assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3
 
