@@ -611,7 +611,8 @@ def test_snake_observation_channels():
 
 
 def egocentric_obs(state: Any) -> np.ndarray:
-    return np.asarray(envs.Snake(egocentric=True).get_obs(state, envs.SnakeParams(grid_size=5)))
+    get_obs = jax.jit(envs.Snake(egocentric=True).get_obs)  # one program, not eager ops
+    return np.asarray(get_obs(state, envs.SnakeParams(grid_size=5)))
 
 
 def view_cell(obs: np.ndarray, channel: int) -> tuple[int, int]:
@@ -651,7 +652,7 @@ def test_snake_egocentric_moves_are_left_straight_right_as_seen(mirrored):
     head_row, head_col = view_cell(egocentric_obs(state), 0)
     left, right = (DOWN, UP) if mirrored else (UP, DOWN)
     for action, direction, seen in [(0, left, (0, -1)), (1, RIGHT, (-1, 0)), (2, right, (0, 1))]:
-        _, after, *_ = env.step_env(jax.random.key(0), state, action, params)
+        _, after, *_ = jax.jit(env.step_env)(jax.random.key(0), state, action, params)
         assert int(after.direction) == direction and bool(after.mirrored) == mirrored
         # The cell the head entered, as the view showed it before the move (marked by food there).
         entered = view_cell(egocentric_obs(state.replace(food=after.head)), 2)
@@ -693,7 +694,7 @@ def test_snake_egocentric_is_the_fixed_board_under_a_turn_of_moves_and_view():
     fixed_state, fixed_reward = step_all(fixed, absolute)
     assert_trees_equal(ego_state, fixed_state)
     np.testing.assert_array_equal(ego_reward, fixed_reward)
-    boards = np.asarray(jax.vmap(fixed.get_obs, in_axes=(0, None))(after, params))
+    boards = np.asarray(jax.jit(jax.vmap(fixed.get_obs, in_axes=(0, None)))(after, params))
     turned = np.stack(
         [np.rot90(board, k) for board, k in zip(boards, after.direction, strict=True)]
     )
@@ -713,7 +714,7 @@ def test_snake_egocentric_reset_draws_heading_and_mirror_uniformly():
     # Heading and mirror independent: each of the 8 views about equally often.
     views = np.bincount(np.asarray(states.direction) * 2 + mirrored, minlength=8)
     assert np.all(np.abs(views - count / 8) < 5 * np.sqrt(count / 8)), views
-    _, fixed = jax.vmap(envs.Snake().reset, in_axes=(0, None))(key_batch(3, 64), params)
+    _, fixed = jax.jit(jax.vmap(envs.Snake().reset, in_axes=(0, None)))(key_batch(3, 64), params)
     assert not np.asarray(fixed.direction).any() and not np.asarray(fixed.mirrored).any()
 
 

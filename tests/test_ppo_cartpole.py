@@ -147,7 +147,7 @@ def test_init_is_orthogonal_with_the_gains_of_huang_et_al():
         "critic": (ppo.Critic(hidden_size=16), "value", 1.0),
     }
     for name, (network, head, head_gain) in networks.items():
-        params = network.init(jax.random.key(0), obs)["params"]
+        params = jax.jit(network.init)(jax.random.key(0), obs)["params"]
         assert set(params) == {"Dense_0", "Dense_1", head}, name
         for layer, gain in [("Dense_0", np.sqrt(2)), ("Dense_1", np.sqrt(2)), (head, head_gain)]:
             weights = np.asarray(params[layer]["kernel"]) / gain

@@ -257,13 +257,13 @@ def pocket_state() -> tuple[envs.Snake, envs.SnakeParams, envs.SnakeState]:
     right, closed by body cells that stay for 4 moves or more; below it, the open board."""
     env = envs.Snake()
     params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
-    _, state = env.reset(jax.random.key(0), params)
+    _, state = jax.jit(env.reset)(jax.random.key(0), params)
     head_to_tail = [(1, 0), (0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (2, 3), (2, 2), (2, 1)]
     head_to_tail += [(3, 1), (3, 2), (3, 3)]
-    body = jnp.zeros((6, 6), jnp.int32)
+    body = np.zeros((6, 6), np.int32)
     for free_in, cell in enumerate(reversed(head_to_tail), start=1):
-        body = body.at[cell].set(free_in)
-    state = state.replace(body=body, head=jnp.array([1, 0]), length=jnp.int32(12))
+        body[cell] = free_in
+    state = state.replace(body=jnp.asarray(body), head=jnp.array([1, 0]), length=jnp.int32(12))
     return env, params, state.replace(direction=jnp.int32(2), food=jnp.array([1, 2]))
 
 
@@ -272,14 +272,14 @@ def test_the_shield_turns_a_greedy_policy_away_from_a_pocket_smaller_than_the_sn
     shield it enters the pocket; with the shield it goes down, into the open board (the moves:
     up, right, down, left)."""
     env, params, state = pocket_state()
-    obs = env.get_obs(state, params)
+    obs = jax.jit(env.get_obs)(state, params)
     # Down: the 24 free cells, then every body cell as the tail leaves it: the whole board.
     np.testing.assert_array_equal(ppo.room_after_move(obs, 4), [0, 2, 36, 0])
     np.testing.assert_array_equal(ppo.dead_end_mask(obs, 4), [True, True, False, True])
     config = dataclasses.replace(ppo.Config(), env=ppo.EnvConfig(grid_size=6, egocentric=False))
     _, _, act = ppo.make_greedy_policy(config)
     network = ppo.make_network(config, 4)
-    variables = network.init(jax.random.key(0), obs)
+    variables = jax.jit(network.init)(jax.random.key(0), obs)
     variables["params"]["policy"]["bias"] = jnp.array([0.0, 100.0, 0.0, 0.0])
     assert act(variables, obs, shield=False) == 1 and act(variables, obs) == 2
 
@@ -543,7 +543,7 @@ def test_rewind_points_are_whole_states_one_meal_apart():
     length = {}
     for name in ("last_meal", "meal_before"):
         stats, obs = getattr(state, name)
-        np.testing.assert_array_equal(jax.vmap(env.get_obs)(stats.env_state), obs)
+        np.testing.assert_array_equal(jax.jit(jax.vmap(env.get_obs))(stats.env_state), obs)
         length[name] = np.asarray(stats.env_state.length)
     assert np.isin(length["last_meal"] - length["meal_before"], [0, 1]).all()
     assert (np.asarray(state.env_state.env_state.length) >= length["last_meal"]).all()
