@@ -222,6 +222,12 @@ def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
         text=True,
     )
     child = int(parent.stdout.readline())
+    # setpriv sets the death signal, then runs the command: wait for that, as a real run has
+    # (a parent killed within the first milliseconds, before setpriv's prctl, would leave it).
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}/comm").read_text().strip() != "sleep":
+        assert time.monotonic() < deadline, "the child never started its command"
+        time.sleep(0.01)
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10
