@@ -610,9 +610,11 @@ def test_snake_observation_channels():
     assert recency.sum() == pytest.approx(2.0)
 
 
+EGOCENTRIC_OBS = jax.jit(envs.Snake(egocentric=True).get_obs)  # one program, not eager ops
+
+
 def egocentric_obs(state: Any) -> np.ndarray:
-    get_obs = jax.jit(envs.Snake(egocentric=True).get_obs)  # one program, not eager ops
-    return np.asarray(get_obs(state, envs.SnakeParams(grid_size=5)))
+    return np.asarray(EGOCENTRIC_OBS(state, envs.SnakeParams(grid_size=5)))
 
 
 def view_cell(obs: np.ndarray, channel: int) -> tuple[int, int]:
@@ -651,8 +653,9 @@ def test_snake_egocentric_moves_are_left_straight_right_as_seen(mirrored):
     state = snake_state(5, [(2, 2), (2, 1)], food=(0, 0), direction=RIGHT, mirrored=mirrored)
     head_row, head_col = view_cell(egocentric_obs(state), 0)
     left, right = (DOWN, UP) if mirrored else (UP, DOWN)
+    step = jax.jit(env.step_env)
     for action, direction, seen in [(0, left, (0, -1)), (1, RIGHT, (-1, 0)), (2, right, (0, 1))]:
-        _, after, *_ = jax.jit(env.step_env)(jax.random.key(0), state, action, params)
+        _, after, *_ = step(jax.random.key(0), state, action, params)
         assert int(after.direction) == direction and bool(after.mirrored) == mirrored
         # The cell the head entered, as the view showed it before the move (marked by food there).
         entered = view_cell(egocentric_obs(state.replace(food=after.head)), 2)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import XLA_DEFAULT, forced_cpu_devices
+from test_envs import snake_state
 
 import envs
 import ppo_snake as ppo
@@ -84,11 +85,8 @@ def test_the_trunk_sees_how_soon_each_body_cell_is_free():
     and a channel of ones; a snake of 5 along the top row of the fixed board, tail at column 0."""
     env = envs.Snake()
     params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
-    _, state = jax.jit(env.reset)(jax.random.key(0), params)
-    body = np.zeros((6, 6), np.int32)
-    body[0, :5] = np.arange(1, 6)
-    state = state.replace(body=jnp.asarray(body), head=jnp.array([0, 4]), length=jnp.int32(5))
-    state = state.replace(food=jnp.array([3, 3]))
+    head_to_tail = [(0, column) for column in range(4, -1, -1)]
+    state = snake_state(6, head_to_tail, food=(3, 3), direction=0)
     network = ppo.make_network(ppo.Config(), 4)
     obs = jax.jit(env.get_obs)(state, params)
 
@@ -257,14 +255,9 @@ def pocket_state() -> tuple[envs.Snake, envs.SnakeParams, envs.SnakeState]:
     right, closed by body cells that stay for 4 moves or more; below it, the open board."""
     env = envs.Snake()
     params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
-    _, state = jax.jit(env.reset)(jax.random.key(0), params)
     head_to_tail = [(1, 0), (0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (2, 3), (2, 2), (2, 1)]
     head_to_tail += [(3, 1), (3, 2), (3, 3)]
-    body = np.zeros((6, 6), np.int32)
-    for free_in, cell in enumerate(reversed(head_to_tail), start=1):
-        body[cell] = free_in
-    state = state.replace(body=jnp.asarray(body), head=jnp.array([1, 0]), length=jnp.int32(12))
-    return env, params, state.replace(direction=jnp.int32(2), food=jnp.array([1, 2]))
+    return env, params, snake_state(6, head_to_tail, food=(1, 2), direction=2)
 
 
 def test_the_shield_turns_a_greedy_policy_away_from_a_pocket_smaller_than_the_snake():
@@ -288,12 +281,8 @@ def test_a_boxed_in_snake_has_every_move_masked_and_a_uniform_policy():
     """A snake of 6 curled into the top-left corner, its head in the corner facing the wall."""
     env = envs.Snake(egocentric=True)
     params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
-    _, state = jax.jit(env.reset)(jax.random.key(0), params)
-    body = np.zeros((6, 6), np.int32)
-    for order, cell in enumerate([(2, 1), (2, 0), (1, 0), (1, 1), (0, 1), (0, 0)], start=1):
-        body[cell] = order
-    state = state.replace(body=jnp.asarray(body), head=jnp.array([0, 0]), length=jnp.int32(6))
-    state = state.replace(direction=jnp.int32(3), food=jnp.array([4, 4]))  # moved left
+    head_to_tail = [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
+    state = snake_state(6, head_to_tail, food=(4, 4), direction=3)  # moved left
     moves = jnp.arange(3)
     _, _, reward, done, _ = jax.jit(jax.vmap(env.step_env, (None, None, 0, None)))(
         jax.random.key(1), state, moves, params
