@@ -366,14 +366,15 @@ def run_launch(args: argparse.Namespace, sides: tuple = ("cold", "warm")) -> lis
     scripts = args.scripts or (LAUNCH_SCRIPTS if "warm" in sides else SCRIPTS)
     for script in [name for name in scripts if not (args.quick and name == "ppo_snake")]:
         module = import_module(script)
-        bar = module.solved_return(module.Config())  # the script's own bar
         runs = collections.defaultdict(list)  # side -> its runs, seed after seed
         for index in range(1 if args.quick else args.runs):  # the default seed first
             flags = [*SCRIPT_FLAGS, "--seed", str(module.Config().seed + index), *args.flags]
             for side, run in cold_then_warm(script, flags, sides).items():
                 runs[side].append(run)
         benchmark = "launch" if "warm" in sides else "time_to_solve"
-        row = dict(benchmark=benchmark, library=script, env=script, num_seeds=1, solved_bar=bar)
+        bar = runs["cold"][0]["solved_return"]  # the run's own bar: its flags may change it
+        row = dict(benchmark=benchmark, library=script, env=shlex.join([script, *args.flags]))
+        row.update(num_seeds=1, solved_bar=bar)
         row.update(num_envs=runs["cold"][0].get("num_envs"), runs=len(runs["cold"]))
         for side, done in runs.items():
             row.update(figures(side, done))
