@@ -47,28 +47,28 @@ def task_configs(module) -> list:
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_sweepable_field_is_traced_through_training_and_evaluation(script):
     """Each field --sweep accepts can be a traced value (one per run) in init, run_chunk and the
-    evaluation: no shape and no Python branch depends on it."""
+    evaluation: no shape and no Python branch depends on it. Every field is traced at once (a
+    field that a shape or a branch reads fails the trace all the same), in one trace per task
+    instead of one per field."""
     module = importlib.import_module(script)
     assert "gamma" in module.SWEEPABLE and "num_envs" not in module.SWEEPABLE
+    values = {name: jnp.full(1, 0.5) for name in module.SWEEPABLE}
     for config in task_configs(module):
         keys = module.seed_keys(config)
-        for name in module.SWEEPABLE:
-            values = {name: jnp.full(1, 0.5)}
 
-            def init(key, values, config=config):
-                return module.make_train(module.with_values(config, values))[0](key)
+        def init(key, values, config=config):
+            return module.make_train(module.with_values(config, values))[0](key)
 
-            def run_chunk(state, values, config=config):
-                return module.make_train(module.with_values(config, values))[1](state, 0)
+        def run_chunk(state, values, config=config):
+            return module.make_train(module.with_values(config, values))[1](state, 0)
 
-            def evaluate(params, key, values, config=config):
-                evaluate = module.make_evaluate(module.with_values(config, values), 2)
-                return evaluate(params, key)
+        def evaluate(params, key, values, config=config):
+            return module.make_evaluate(module.with_values(config, values), 2)(params, key)
 
-            state = jax.eval_shape(jax.vmap(init), keys.train, values)
-            jax.eval_shape(jax.vmap(run_chunk), state, values)
-            params = module.trained_params(state)
-            jax.eval_shape(jax.vmap(evaluate), params, keys.evaluate, values)
+        state = jax.eval_shape(jax.vmap(init), keys.train, values)
+        jax.eval_shape(jax.vmap(run_chunk), state, values)
+        params = module.trained_params(state)
+        jax.eval_shape(jax.vmap(evaluate), params, keys.evaluate, values)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
