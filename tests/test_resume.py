@@ -3,6 +3,7 @@ run goes on bit for bit as if it had never stopped (metrics rows and final param
 whatever cannot be resumed is refused in one line with nothing in the folder changed."""
 
 import csv
+import json
 import shutil
 import signal
 import subprocess
@@ -96,34 +97,35 @@ def test_a_run_killed_after_a_periodic_checkpoint_resumes_bit_for_bit(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path, signum, status):
-    """SIGTERM (a scheduler's notice, here twice) or Ctrl-C: the outputs and the checkpoint of
-    the chunks done, exit 143 or 130; --resume then finishes the run as if nothing had happened."""
+def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path):
+    """SIGTERM (a scheduler's notice, here twice) or Ctrl-C, each to a run of its own: the outputs
+    and the checkpoint of the chunks done, exit 143 or 130; --resume then finishes each run as if
+    nothing had happened (the same run never stopped)."""
     flags = [*test_ppo_cartpole.TINY_FLAGS, "--total-timesteps", "32000", "--num-seeds", "2"]
     flags += [*QUIET, "--checkpoint-every", "0"]
-    stopped = tmp_path / "stopped"
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "ppo_cartpole.py"), *flags, "--output-dir", str(stopped)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for line in process.stdout:  # the first progress line: training runs
-        if line.startswith("steps "):
-            break
-    process.send_signal(signum)
-    if signum == signal.SIGTERM:  # a repeated notice does not abort the stop under way
-        process.send_signal(signum)
-    _, stderr = process.communicate(timeout=300)
-    assert process.returncode == status and "stopping after this chunk" in stderr, stderr
-    assert "Traceback" not in stderr
-    chunks = len(untimed_rows(stopped)) // 2
-    assert 0 < chunks < 250, "stopped too late to test a resume"
-    resumed = run("ppo_cartpole", ["--resume", str(stopped), *QUIET])
-    assert f"resumed at chunk {chunks} of 250" in resumed.stdout
     run("ppo_cartpole", [*flags, "--output-dir", str(tmp_path / "never_stopped")])
-    assert_same_run(stopped, tmp_path / "never_stopped")
+    for signum, status in [(signal.SIGTERM, 143), (signal.SIGINT, 130)]:
+        stopped = tmp_path / f"stopped_{status}"
+        process = subprocess.Popen(
+            [sys.executable, str(ROOT / "ppo_cartpole.py"), *flags, "--output-dir", str(stopped)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for line in process.stdout:  # the first progress line: training runs
+            if line.startswith("steps "):
+                break
+        process.send_signal(signum)
+        if signum == signal.SIGTERM:  # a repeated notice does not abort the stop under way
+            process.send_signal(signum)
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == status and "stopping after this chunk" in stderr, stderr
+        assert "Traceback" not in stderr
+        chunks = len(untimed_rows(stopped)) // 2
+        assert 0 < chunks < 250, "stopped too late to test a resume"
+        resumed = run("ppo_cartpole", ["--resume", str(stopped), *QUIET])
+        assert f"resumed at chunk {chunks} of 250" in resumed.stdout
+        assert_same_run(stopped, tmp_path / "never_stopped")
 
 
 def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
@@ -180,22 +182,28 @@ def read_events_file(read_events, path: Path) -> list:
 
 
 @pytest.mark.slow
-def test_distributed_run_resumes_bit_for_bit(tmp_path):
-    """Process 0 writes every run's state; each process restores its own runs: a pair stopped by
-    SIGTERM on process 0 and resumed ends as a pair never stopped."""
+def test_ctrl_c_on_a_worker_stops_the_pair_and_it_resumes_bit_for_bit(tmp_path):
+    """SIGINT to process 1 alone: both processes stop after the chunk (exit 130, as after Ctrl-C)
+    and process 0 writes the outputs and every run's state. Resumed, each process restores its
+    own runs, and the pair ends as a pair never stopped."""
     import test_distributed
 
-    flags = [*SAC_FLAGS, "--num-seeds", "2", "--no-save-model"]
+    flags = [*SAC_FLAGS, "--num-seeds", "2"]
     never = test_distributed.start_pair("sac_pendulum", flags, tmp_path / "never", devices=1)
     assert test_distributed.finish(never) == [0, 0]
-    pair = test_distributed.start_pair("sac_pendulum", flags, tmp_path / "first", devices=1)
+    lead, worker = test_distributed.start_pair("sac_pendulum", flags, tmp_path / "first", devices=1)
     folder = tmp_path / "first" / "p0"
     deadline = time.monotonic() + 240
     while not (folder / "metrics.csv").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    pair[0].terminate()
-    assert test_distributed.finish(pair) == [143, 143]
-    assert (folder / "checkpoint.msgpack").exists()
+    worker.send_signal(signal.SIGINT)
+    assert test_distributed.finish([lead, worker]) == [130, 130], test_distributed.output(folder)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["stopped_early"] and 0 < summary["env_steps"] < 448
+    assert (folder / "checkpoint.msgpack").exists() and (folder / "model.msgpack").exists()
+    stopping = "Ctrl-C on another process: stopping after this chunk"
+    assert stopping in test_distributed.output(folder)[0]
+    assert "Ctrl-C: stopping after this chunk" in test_distributed.output(folder.parent / "p1")[1]
     cluster = [
         "--distributed",
         "--coordinator-address",
