@@ -4,8 +4,11 @@ Many tests compile the same small programs: in-process, in the scripts they star
 subprocesses, and on each pytest-xdist worker. With one persistent cache (a fresh folder per
 session, removed at its end; `JAX_COMPILATION_CACHE_DIR` set beforehand is used instead and kept)
 a program compiled once is loaded everywhere else. The thresholds are 0 so that small CPU
-programs are stored too, and the size bound turns on JAX's file lock, so that two processes
-never read an entry while it is written. Tests of the cache itself give their own folder.
+programs are stored too. The cache has no size bound: with one, JAX locks the folder for every
+read and write and, on every write, reads the size and last use of every entry to choose what to
+drop (at the 2,000 entries a suite leaves, 154 ms a write, every process waiting on the lock).
+Without it an entry is written unlocked; a process that reads one half-written gets a read error
+that JAX catches, and compiles the program itself. Tests of the cache itself give their own folder.
 """
 
 import atexit
@@ -18,7 +21,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller's, inherited
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 # LLVM at -O0 for the suite (XLA's default: -O3): the same programs (the same HLO) compile in
 # about 40% less CPU time; tiny programs run about as fast, long ones 2-3x slower, so the learning
 # tests compile with XLA's own setting (XLA_DEFAULT, below), as their bars were measured.
@@ -37,3 +39,16 @@ def forced_cpu_devices(count: int) -> dict:
     return {
         "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={count}"
     }
+
+
+def in_process(module, capsys, *flags: str) -> tuple[int, str, str]:
+    """`python <script>.py flags` run in this process (the same parse_args and main, without the
+    start-up of a new one) up to its exit: the status, stdout and stderr. Nothing may compile on
+    the way (jax.jit is unset): for --help and the flags that are refused."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exit_:
+        patch.setattr(module.jax, "jit", None)
+        module.main(*module.parse_args(list(flags)))
+    out, err = capsys.readouterr()
+    return exit_.value.code, out, err
