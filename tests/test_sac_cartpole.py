@@ -272,14 +272,10 @@ def test_gif_shows_every_second_step_and_holds_an_ended_episode():
         (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
     ],
 )
-def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys, monkeypatch):
+def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys):
     """In process: main validates before anything is compiled."""
-    monkeypatch.setattr(sac.jax, "jit", None)  # nothing may be compiled on the way to the error
-    with pytest.raises(SystemExit) as exit_:
-        sac.main(*sac.parse_args([*flags, "--no-compile-cache"]))  # leaves jax.config alone
-    assert exit_.value.code == 2
-    stderr = capsys.readouterr().err
-    assert len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
+    status, _, stderr = in_process(sac, capsys, *flags, "--no-compile-cache")
+    assert status == 2 and len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
 
 
 @pytest.mark.parametrize(
@@ -448,9 +444,7 @@ def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path, task_
     assert not (tmp_path / "model.msgpack").exists()
 
 
-def test_eval_only_refuses_other_checkpoints_and_overridden_flags(
-    finished_run, tmp_path, capsys, monkeypatch
-):
+def test_eval_only_refuses_other_checkpoints_and_overridden_flags(finished_run, tmp_path, capsys):
     """In process: refused in one line before anything is compiled, the file's bytes unshown."""
     out, _ = finished_run
     model = out / "model.msgpack"
@@ -464,7 +458,6 @@ def test_eval_only_refuses_other_checkpoints_and_overridden_flags(
     balance.write_bytes(flax.serialization.msgpack_serialize(balance_payload))
     garbage = tmp_path / "garbage.msgpack"
     garbage.write_bytes(b"not a checkpoint, SECRET " * 50)
-    monkeypatch.setattr(sac.jax, "jit", None)
     for flags, expected in [
         (["--load-model", str(other)], "sac_pendulum checkpoint for Pendulum-v1"),
         (["--load-model", str(garbage)], "is not a checkpoint of sac_cartpole"),
@@ -472,10 +465,8 @@ def test_eval_only_refuses_other_checkpoints_and_overridden_flags(
         (["--load-model", str(model), "--gamma", "0.5"], "--gamma is set by the checkpoint"),
         (["--load-model", str(balance), "--env-id", "CartPoleSwingup"], "--env-id"),
     ]:
-        with pytest.raises(SystemExit) as exit_:
-            sac.main(*sac.parse_args(["--eval-only", *flags, "--no-compile-cache"]))
-        stderr = capsys.readouterr().err
-        assert exit_.value.code == 2 and expected in stderr, stderr
+        status, _, stderr = in_process(sac, capsys, "--eval-only", *flags, "--no-compile-cache")
+        assert status == 2 and expected in stderr, stderr
         assert len(stderr.strip().splitlines()) == 1 and "SECRET" not in stderr
 
 

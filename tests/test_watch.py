@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
 import test_sac_pendulum
+from conftest import in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
@@ -52,11 +53,8 @@ def test_track_without_tensorboardx_is_one_line_and_exit_2(script, capsys, monke
         "find_spec",
         lambda name: None if name == "tensorboardX" else find_spec(name),
     )
-    monkeypatch.setattr(module.jax, "jit", None)  # nothing may be compiled on the way
-    with pytest.raises(SystemExit) as exit_:
-        module.main(*module.parse_args(["--track", "--no-compile-cache"]))
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip() == (
+    status, _, stderr = in_process(module, capsys, "--track", "--no-compile-cache")
+    assert status == 2 and stderr.strip() == (
         f"{script}.py: error: --track needs tensorboardX: pip install tensorboardX"
     )
 
