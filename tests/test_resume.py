@@ -17,6 +17,10 @@ import numpy as np
 import pytest
 import test_ppo_cartpole
 import test_sac_pendulum
+from conftest import in_process
+
+import ppo_cartpole
+import sac_pendulum
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMED_COLUMNS = ("wall_seconds", "sps")  # differ from run to run
@@ -128,7 +132,9 @@ def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path)
         assert_same_run(stopped, tmp_path / "never_stopped")
 
 
-def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
+def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path, capsys):
+    """After a real stop, the refusals in process (the same main, nothing compiled), but for a
+    checkpoint without a train state (telling needs the run's layout: a process of its own)."""
     folder = tmp_path / "run"
     flags = [*SAC_FLAGS, "--output-dir", str(folder)]  # stopped by SIGTERM: a checkpoint
     assert signal_at(flags, "steps ", signal.SIGTERM) == 143
@@ -143,14 +149,16 @@ def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
         (["--resume", str(tmp_path / "missing")], "(No such file or directory)"),
         (["--resume", ""], "--resume must be a run folder"),  # not a fresh run
         (["--resume", str(other)], "is not a checkpoint of sac_pendulum"),  # truncated
-        (["--resume", str(tmp_path / "model_only")], "holds no train state of this run"),
         (["--resume", str(folder), "--q-lr", "0.1"], "--q-lr is set by the checkpoint"),
         (["--resume", str(folder), "--output-dir", str(other)], "(without --output-dir)"),
     ]:
-        result = run("sac_pendulum", flags, check=2)
-        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, flags
-    result = run("ppo_cartpole", ["--resume", str(folder)], check=2)
-    assert "is a sac_pendulum checkpoint" in result.stderr
+        status, _, stderr = in_process(sac_pendulum, capsys, *flags)
+        assert status == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, flags
+    status, _, stderr = in_process(ppo_cartpole, capsys, "--resume", str(folder))
+    assert status == 2 and "is a sac_pendulum checkpoint" in stderr
+    result = run("sac_pendulum", ["--resume", str(tmp_path / "model_only")], check=2)
+    assert "holds no train state of this run" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")} == before
 
 
