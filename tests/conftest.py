@@ -16,6 +16,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller's, inherited by its workers
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-cache-tests-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
@@ -46,8 +48,6 @@ def in_process(module, capsys, *flags: str) -> tuple[int, str, str]:
     start-up of a new one) up to its exit: the status, stdout and stderr. Nothing may compile on
     the way (jax.jit is unset): for --help and the flags that are refused. The compile cache is
     left off, so that this process's jax.config stays as the suite set it."""
-    import pytest
-
     with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exit_:
         patch.setattr(module.jax, "jit", None)
         patch.setattr(module, "enable_compile_cache", lambda options: "off (in process)")

@@ -635,7 +635,7 @@ def test_check_options_names_the_bad_flag(options, flag):
 )
 def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys):
     """In process: main validates before anything is compiled."""
-    status, _, stderr = in_process(ppo, capsys, *flags, "--no-compile-cache")
+    status, _, stderr = in_process(ppo, capsys, *flags)
     assert status == 2 and len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
 
 

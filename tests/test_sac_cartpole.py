@@ -274,7 +274,7 @@ def test_gif_shows_every_second_step_and_holds_an_ended_episode():
 )
 def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys):
     """In process: main validates before anything is compiled."""
-    status, _, stderr = in_process(sac, capsys, *flags, "--no-compile-cache")
+    status, _, stderr = in_process(sac, capsys, *flags)
     assert status == 2 and len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
 
 
@@ -465,7 +465,7 @@ def test_eval_only_refuses_other_checkpoints_and_overridden_flags(finished_run, 
         (["--load-model", str(model), "--gamma", "0.5"], "--gamma is set by the checkpoint"),
         (["--load-model", str(balance), "--env-id", "CartPoleSwingup"], "--env-id"),
     ]:
-        status, _, stderr = in_process(sac, capsys, "--eval-only", *flags, "--no-compile-cache")
+        status, _, stderr = in_process(sac, capsys, "--eval-only", *flags)
         assert status == 2 and expected in stderr, stderr
         assert len(stderr.strip().splitlines()) == 1 and "SECRET" not in stderr
 

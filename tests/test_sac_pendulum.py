@@ -353,7 +353,7 @@ def test_help_lists_every_option(capsys):
 )
 def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys):
     """In process: main validates before anything is compiled."""
-    status, _, stderr = in_process(sac, capsys, *flags, "--no-compile-cache")
+    status, _, stderr = in_process(sac, capsys, *flags)
     assert status == 2 and len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
 
 

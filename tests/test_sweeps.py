@@ -87,7 +87,7 @@ def test_every_sweepable_field_is_traced_through_training_and_evaluation(script)
 )
 def test_bad_grids_exit_2_with_one_line_before_compiling(script, sweep, message, capsys):
     module = importlib.import_module(script)
-    status, _, stderr = in_process(module, capsys, "--sweep", *sweep, "--no-compile-cache")
+    status, _, stderr = in_process(module, capsys, "--sweep", *sweep)
     stderr = stderr.strip()
     assert status == 2 and len(stderr.splitlines()) == 1 and message in stderr, stderr
     assert stderr.startswith(f"{script}.py: error: --sweep")

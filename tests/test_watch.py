@@ -53,7 +53,7 @@ def test_track_without_tensorboardx_is_one_line_and_exit_2(script, capsys, monke
         "find_spec",
         lambda name: None if name == "tensorboardX" else find_spec(name),
     )
-    status, _, stderr = in_process(module, capsys, "--track", "--no-compile-cache")
+    status, _, stderr = in_process(module, capsys, "--track")
     assert status == 2 and stderr.strip() == (
         f"{script}.py: error: --track needs tensorboardX: pip install tensorboardX"
     )
