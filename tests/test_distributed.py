@@ -113,12 +113,14 @@ def checkpoint_params(path: Path) -> list[np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", list(RUNS))
-def test_two_processes_train_and_evaluate_what_one_process_does(script, tmp_path):
-    """4 runs on 2 processes x 2 CPU devices against the same 4 runs in one process with 4
-    devices: every metrics row, the evaluation and the checkpoint agree to float tolerance;
-    process 0 writes every output and the worker writes nothing and prints one line. Then the
-    checkpoint is evaluated --distributed too."""
+def test_two_processes_train_and_evaluate_what_one_process_does(tmp_path):
+    """A sweep's 4 runs on 2 processes x 2 CPU devices against the same 4 runs in one process
+    with 4 devices: every metrics row, the evaluation and the checkpoint agree to float
+    tolerance; process 0 writes every output and the worker writes nothing and prints one line.
+    Then the checkpoint is evaluated --distributed too. The four scripts share this code (their
+    command-line blocks are one block: test_cli_block.py); a PPO script's seeds over 2 processes
+    give one process's returns in test_benchmark.py's distributed test."""
+    script = "sac_pendulum"
     flags = RUNS[script]
     alone = start(script, [*flags, "--output-dir", str(tmp_path / "alone")], tmp_path / "alone", 4)
     assert alone.wait(300) == 0, output(tmp_path / "alone")

@@ -6,6 +6,7 @@ files) is tested once, in test_sac_pendulum.py: test_cli_block.py keeps the four
 
 import csv
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -112,9 +113,11 @@ def test_the_trunk_sees_how_soon_each_body_cell_is_free():
     np.testing.assert_array_equal(board[..., 4], 1.0)
 
 
-def play_randomly(env: envs.Snake) -> tuple:
+@functools.cache  # each view's play serves several tests
+def play_randomly(egocentric: bool) -> tuple:
     """States and observations of 64 random-playing snakes on a 6x6 board over 400 steps, with
     the key each step used; on this small board random snakes eat and grow."""
+    env = envs.Snake(egocentric=egocentric)
     params = envs.SnakeParams(grid_size=6, max_steps_without_food=36)
 
     def step(carry, key):
@@ -135,7 +138,7 @@ def play_randomly(env: envs.Snake) -> tuple:
 
 @pytest.fixture(scope="module")
 def random_play():
-    return play_randomly(envs.Snake())
+    return play_randomly(False)
 
 
 @pytest.mark.parametrize("egocentric", [True, False])
@@ -143,7 +146,7 @@ def test_deadly_move_mask_is_the_envs_death_rule(egocentric):
     """Every move of every state of random play: masked exactly when the env's step kills (a
     wall, or a body cell other than the tail, also on the step after a meal, when the tail
     stays). The fixed board's move back into the neck is the reverse-move mask's."""
-    env, params, obs, states, keys = play_randomly(envs.Snake(egocentric=egocentric))
+    env, params, obs, states, keys = play_randomly(egocentric)
     network = ppo.make_network(ppo.Config(), env.num_actions)
     variables = jax.jit(network.init)(jax.random.key(0), obs[0])
     logits = np.asarray(jax.jit(network.apply)(variables, obs)[0])
@@ -180,7 +183,7 @@ def test_no_room_is_the_envs_death_rule(egocentric):
     """Every move of every state of random play: room_after_move is 0 exactly when the env's step
     kills, so the shield forbids every deadly move (the fixed board's move back into the neck,
     which the env turns into "keep going", aside)."""
-    env, params, obs, states, keys = play_randomly(envs.Snake(egocentric=egocentric))
+    env, params, obs, states, keys = play_randomly(egocentric)
     room = np.asarray(jax.jit(ppo.room_after_move, static_argnums=1)(obs, env.num_actions))
     moves = np.arange(env.num_actions)
     step = jax.vmap(jax.vmap(env.step_env, (None, None, 0, None)), (0, 0, None, None))
@@ -314,7 +317,7 @@ def test_reverse_move_mask_is_the_envs_neck_rule(random_play):
 def test_the_default_view_is_egocentric_and_the_first_policy_uniform_over_the_safe_moves():
     env, params = ppo.make_env(ppo.Config())
     assert env.egocentric and env.num_actions == 3 and params.max_steps_without_food == 200
-    obs = play_randomly(env)[2][::8]
+    obs = play_randomly(True)[2][::8]
     net = ppo.make_network(ppo.Config(), env.num_actions)
     logits = jax.jit(lambda obs: net.apply(net.init(jax.random.key(0), obs[0]), obs)[0])(obs)
     masked = np.asarray(logits < -1e8)
