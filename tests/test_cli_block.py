@@ -43,7 +43,7 @@ def shared_block(script: str) -> str:
 
 
 def test_each_block_is_within_its_line_budget():
-    """The block below the banner is one a reader skims (SCRIPT_CONTRACT.md section 9)."""
+    """The block below the banner is one a reader skims (CONTRIBUTING.md: line budgets)."""
     for script in SCRIPTS:
         text = (ROOT / f"{script}.py").read_text()
         assert len(text.split(BANNER)[1].splitlines()) <= BUDGET, script

@@ -252,12 +252,6 @@ def test_render_draws_four_carts_every_second_step(tiny_runs):
 # ---- the command line contract ----
 
 
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """One compile cache for this module's subprocesses: a rerun of a config loads its programs."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("compile_cache"))}
-
-
 def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *flags],
@@ -383,10 +377,10 @@ def test_help_and_bad_flags_from_the_command_line(capsys):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, compile_cache):
+def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     flags = [*TINY_FLAGS, "--num-seeds", "2", "--output-dir", str(out)]
-    result = run(*flags, env=compile_cache)
+    result = run(*flags)
     assert result.returncode == 0, result.stderr
     return out, result
 
@@ -459,20 +453,20 @@ def without_timing(path: Path) -> list[dict]:
     return [{name: value for name, value in row.items() if name not in timing} for row in rows]
 
 
-def test_same_seed_gives_identical_metrics_csv(finished_run, compile_cache, tmp_path):
+def test_same_seed_gives_identical_metrics_csv(finished_run, tmp_path):
     out, _ = finished_run
     flags = [*TINY_FLAGS, "--num-seeds", "2", "--output-dir", str(tmp_path)]
-    result = run(*flags, *QUIET, env=compile_cache)
+    result = run(*flags, *QUIET)
     assert result.returncode == 0, result.stderr
     assert without_timing(out / "metrics.csv") == without_timing(tmp_path / "metrics.csv")
 
 
-def test_eval_only_reproduces_the_saved_evaluation(finished_run, compile_cache, tmp_path):
+def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path):
     """The checkpoint brings its env (a 50-step limit here), network and seeds; no flags needed."""
     out, _ = finished_run
     model = str(out / "model.msgpack")
     flags = ["--eval-only", "--load-model", model, "--eval-episodes", "2"]
-    result = run(*flags, "--output-dir", str(tmp_path), env=compile_cache)
+    result = run(*flags, "--output-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     saved = json.loads((out / "summary.json").read_text())["final_returns"]
     assert json.loads((tmp_path / "summary.json").read_text())["final_returns"] == saved
@@ -500,9 +494,9 @@ def test_two_devices_shard_the_seeds_and_match_the_pure_train(tiny_runs, tmp_pat
         np.testing.assert_allclose(from_cli[name], getattr(metrics, name), rtol=1e-4, atol=1e-5)
 
 
-def test_non_finite_loss_stops_with_chunk_seed_and_metric(compile_cache, tmp_path):
+def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path):
     flags = [*TINY_FLAGS, "--learning-rate", "inf", "--output-dir", str(tmp_path), *QUIET]
-    result = run(*flags, env=compile_cache)
+    result = run(*flags)
     assert result.returncode == 1
     assert "non-finite" in result.stderr and "chunk 1, seed 1" in result.stderr
     # What was written stays valid: the config and the rows up to the chunk that stopped it.

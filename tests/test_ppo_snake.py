@@ -661,13 +661,6 @@ def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
 # ---- the command line contract: subprocesses ----
 
 
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory) -> dict:
-    """One persistent compilation cache for this file's runs (not the user's): a rerun of a
-    config loads its programs instead of compiling them."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache"))}
-
-
 def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *flags],
@@ -727,18 +720,18 @@ def test_bad_flags_from_the_command_line(capsys):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, compile_cache):
+def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     flags = [*TINY_FLAGS, "--num-seeds", "2", "--seed", "5", "--output-dir", str(out)]
-    result = run(*flags, env=compile_cache)
+    result = run(*flags)
     assert result.returncode == 0, result.stderr
     return out, result
 
 
-def test_run_writes_every_output(finished_run, compile_cache):
+def test_run_writes_every_output(finished_run):
     out, result = finished_run
     first_line = result.stdout.splitlines()[0]
-    assert first_line.endswith(f"compile cache: {compile_cache['JAX_COMPILATION_CACHE_DIR']}")
+    assert first_line.endswith(f"compile cache: {os.environ['JAX_COMPILATION_CACHE_DIR']}")
     assert "Snake 6x6" in first_line and "compiled in" in result.stdout
     progress = [line for line in result.stdout.splitlines() if line.startswith("steps ")]
     assert len(progress) == 2 and all("score" in line and "win_rate" in line for line in progress)
@@ -823,7 +816,7 @@ def without_timing(path: Path) -> list[dict]:
     return [{name: value for name, value in row.items() if name not in timing} for row in rows]
 
 
-def test_same_seed_gives_identical_metrics(finished_run, tmp_path, compile_cache):
+def test_same_seed_gives_identical_metrics(finished_run, tmp_path):
     out, _ = finished_run
     result = run(
         *TINY_FLAGS,
@@ -836,13 +829,12 @@ def test_same_seed_gives_identical_metrics(finished_run, tmp_path, compile_cache
         "--no-plot",
         "--no-capture-gif",
         "--no-save-model",
-        env=compile_cache,
     )
     assert result.returncode == 0, result.stderr
     assert without_timing(out / "metrics.csv") == without_timing(tmp_path / "metrics.csv")
 
 
-def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path, compile_cache):
+def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path):
     """The checkpoint brings its board, network and seeds; no flags needed."""
     out, _ = finished_run
     result = run(
@@ -853,7 +845,6 @@ def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path, compi
         "2",
         "--output-dir",
         str(tmp_path),
-        env=compile_cache,
     )
     assert result.returncode == 0, result.stderr
     saved = json.loads((out / "summary.json").read_text())
@@ -880,9 +871,9 @@ def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run, flags, n
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_two_devices_shard_the_seeds(finished_run, tmp_path, compile_cache):
+def test_two_devices_shard_the_seeds(finished_run, tmp_path):
     out, _ = finished_run
-    two_devices = {**compile_cache, **forced_cpu_devices(2)}
+    two_devices = forced_cpu_devices(2)
     result = run(
         *TINY_FLAGS,
         "--num-seeds",
@@ -910,7 +901,7 @@ def test_two_devices_shard_the_seeds(finished_run, tmp_path, compile_cache):
         )
 
 
-def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path, compile_cache):
+def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path):
     result = run(
         *TINY_FLAGS,
         "--learning-rate",
@@ -919,7 +910,6 @@ def test_non_finite_loss_stops_with_chunk_seed_and_metric(tmp_path, compile_cach
         str(tmp_path),
         "--no-plot",
         "--no-capture-gif",
-        env=compile_cache,
     )
     assert result.returncode == 1
     assert "non-finite" in result.stderr and "chunk 1, seed 1" in result.stderr, result.stderr

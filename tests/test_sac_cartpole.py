@@ -295,15 +295,6 @@ def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
     assert name in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """The subprocesses share one fresh compile cache: a later run loads what an earlier one
-    compiled (the suite's time), and no run reads the user's cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-        yield
-
-
 def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *flags],
