@@ -7,7 +7,6 @@ test_sac_pendulum.py: test_cli_block.py keeps the four blocks one."""
 import csv
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import XLA_DEFAULT, forced_cpu_devices, in_process
+from conftest import XLA_DEFAULT, forced_cpu_devices, in_process, run_script
 
 import ppo_cartpole as ppo
 
@@ -252,15 +251,8 @@ def test_render_draws_four_carts_every_second_step(tiny_runs):
 # ---- the command line contract ----
 
 
-def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-        **kwargs,
-    )
+def run(*flags, env=None) -> subprocess.CompletedProcess:
+    return run_script(ppo, *flags, env=env)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import chex
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import XLA_DEFAULT, forced_cpu_devices, in_process
+from conftest import XLA_DEFAULT, forced_cpu_devices, in_process, run_script
 from test_envs import snake_state
 
 import envs
@@ -658,18 +657,11 @@ def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
     assert name in capsys.readouterr().err
 
 
-# ---- the command line contract: subprocesses ----
+# ---- the command line contract: whole runs (conftest.run_script) ----
 
 
-def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-        **kwargs,
-    )
+def run(*flags, env=None) -> subprocess.CompletedProcess:
+    return run_script(ppo, *flags, env=env)
 
 
 def test_help_lists_every_option(capsys):

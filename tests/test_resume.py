@@ -3,6 +3,7 @@ run goes on bit for bit as if it had never stopped (metrics rows and final param
 whatever cannot be resumed is refused in one line with nothing in the folder changed."""
 
 import csv
+import importlib
 import json
 import shutil
 import signal
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import test_ppo_cartpole
 import test_sac_pendulum
-from conftest import in_process
+from conftest import in_process, run_script
 
 import ppo_cartpole
 import sac_pendulum
@@ -31,12 +32,7 @@ SAC_FLAGS = [*test_sac_pendulum.TINY_FLAGS, "--total-timesteps", "448", *QUIET]
 
 
 def run(script: str, flags: list, check: int | None = 0) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / f"{script}.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_script(importlib.import_module(script), *flags)
     assert check is None or result.returncode == check, result.stderr
     return result
 

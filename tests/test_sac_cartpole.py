@@ -10,10 +10,8 @@ import csv
 import dataclasses
 import functools
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import chex
@@ -22,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import XLA_DEFAULT, forced_cpu_devices, in_process
+from conftest import XLA_DEFAULT, forced_cpu_devices, in_process, run_script
 
 import sac_cartpole as sac
 
@@ -295,15 +293,8 @@ def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
     assert name in capsys.readouterr().err
 
 
-def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-        **kwargs,
-    )
+def run(*flags, env=None) -> subprocess.CompletedProcess:
+    return run_script(sac, *flags, env=env)
 
 
 def test_help_lists_every_option_with_the_task_defaults(capsys):

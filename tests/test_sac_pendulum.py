@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import XLA_DEFAULT, forced_cpu_devices, in_process
+from conftest import XLA_DEFAULT, forced_cpu_devices, in_process, run_script
 
 import envs
 import sac_pendulum as sac
@@ -302,18 +302,11 @@ def test_evaluation_starts_from_other_states_than_training():
     assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3
 
 
-# ---- the command line contract (subprocesses) ----
+# ---- the command line contract: whole runs (conftest.run_script) ----
 
 
-def run(*flags, env=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-        **kwargs,
-    )
+def run(*flags, env=None) -> subprocess.CompletedProcess:
+    return run_script(sac, *flags, env=env)
 
 
 def test_help_lists_every_option(capsys):

@@ -5,9 +5,7 @@ sweep's report (summary.json and a printed table), checkpoint and --eval-only ho
 import csv
 import importlib
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import flax.serialization
@@ -17,7 +15,7 @@ import numpy as np
 import pytest
 import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
 import test_sac_pendulum
-from conftest import forced_cpu_devices, in_process
+from conftest import forced_cpu_devices, in_process, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
@@ -29,13 +27,7 @@ TINY_FLAGS = {
 
 
 def run(script: str, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / f"{script}.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-    )
+    return run_script(importlib.import_module(script), *flags, env=env)
 
 
 def task_configs(module) -> list:
