@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import traceback
 
 import pytest
 
@@ -75,6 +76,11 @@ def run_script(module, *flags: str, env: dict | None = None) -> subprocess.Compl
             module.main(*module.parse_args(list(flags)))
         except SystemExit as exit_:
             status = exit_.code
+        except Exception:  # a crash: its traceback on stderr and status 1, as Python ends a process
+            traceback.print_exc()
+            status = 1
+        finally:  # a new process would start without the last run's compiled renderer
+            module.jitted_render.cache_clear()
         if isinstance(status, str):  # sys.exit("message"): Python prints it, and the status is 1
             print(status, file=sys.stderr)
             status = 1

@@ -24,7 +24,6 @@ from test_envs import snake_state
 import envs
 import ppo_snake as ppo
 
-SCRIPT = Path(__file__).resolve().parents[1] / "ppo_snake.py"
 # A run small enough to compile and train in seconds: 2 chunks of 2 iterations of 4 envs x 16
 # steps on a 6x6 board, each iteration 2 epochs of 2 minibatches.
 TINY = ppo.Config(

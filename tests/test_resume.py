@@ -130,7 +130,7 @@ def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path)
 
 def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path, capsys):
     """After a real stop, the refusals in process (the same main, nothing compiled), but for a
-    checkpoint without a train state (telling needs the run's layout: a process of its own)."""
+    checkpoint without a train state (telling needs the run's layout, which compiles)."""
     folder = tmp_path / "run"
     flags = [*SAC_FLAGS, "--output-dir", str(folder)]  # stopped by SIGTERM: a checkpoint
     assert signal_at(flags, "steps ", signal.SIGTERM) == 143

@@ -24,7 +24,6 @@ from conftest import XLA_DEFAULT, forced_cpu_devices, in_process, run_script
 
 import sac_cartpole as sac
 
-SCRIPT = Path(__file__).resolve().parents[1] / "sac_cartpole.py"
 # A run small enough to compile and train in seconds, with several chunks and real updates:
 # swing-up on a 3 cm track with 8-step episodes, so that both kinds of episode end happen in it.
 TINY = sac.Config(

@@ -17,7 +17,6 @@ import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
 import test_sac_pendulum
 from conftest import forced_cpu_devices, in_process, run_script
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
 # Small runs of a SAC and a PPO script, as each script's own tests define them.
 TINY_FLAGS = {
