@@ -48,17 +48,15 @@ def forced_cpu_devices(count: int) -> dict:
     }
 
 
-def in_process(module, capsys, *flags: str) -> tuple[int, str, str]:
-    """`python <script>.py flags` run in this process (the same parse_args and main, without the
-    start-up of a new one) up to its exit: the status, stdout and stderr. Nothing may compile on
-    the way (jax.jit is unset): for --help and the flags that are refused. The compile cache is
-    left off, so that this process's jax.config stays as the suite set it."""
-    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exit_:
+def in_process(module, *flags: str) -> tuple[int, str, str]:
+    """`python <script>.py flags` in this process up to its exit, with nothing compiled on the way
+    (jax.jit unset): for --help and the flags that are refused. The status, stdout and stderr. The
+    compile cache is left off, so that this process's jax.config stays as the suite set it."""
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(module.jax, "jit", None)
         patch.setattr(module, "enable_compile_cache", lambda options: "off (in process)")
-        module.main(*module.parse_args(list(flags)))
-    out, err = capsys.readouterr()
-    return exit_.value.code, out, err
+        result = run_script(module, *flags)
+    return result.returncode, result.stdout, result.stderr
 
 
 def run_script(module, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -302,9 +302,9 @@ def test_check_options_names_the_bad_flag(options, flag):
         (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
     ],
 )
-def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys):
+def test_bad_values_exit_2_with_one_line_before_compiling(flags, name):
     """In process: main validates before anything is compiled."""
-    status, _, stderr = in_process(ppo, capsys, *flags)
+    status, _, stderr = in_process(ppo, *flags)
     assert status == 2 and len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
 
 
@@ -324,8 +324,8 @@ def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
     assert name in capsys.readouterr().err
 
 
-def test_help_and_bad_flags_from_the_command_line(capsys):
-    status, out, err = in_process(ppo, capsys, "--help")
+def test_help_and_bad_flags_from_the_command_line():
+    status, out, err = in_process(ppo, "--help")
     assert status == 0
     for flag in [
         "--seed",
@@ -360,11 +360,11 @@ def test_help_and_bad_flags_from_the_command_line(capsys):
         "--env.max-steps-in-episode",
     ]:
         assert flag in out, flag
-    status, out, err = in_process(ppo, capsys, "--gamma", "2")
+    status, out, err = in_process(ppo, "--gamma", "2")
     assert status == 2 and err.strip() == (
         "ppo_cartpole.py: error: --gamma must be in (0, 1], got 2.0"
     )
-    status, out, err = in_process(ppo, capsys, "--no-such-flag")
+    status, out, err = in_process(ppo, "--no-such-flag")
     assert status == 2 and "--no-such-flag" in err
 
 

@@ -634,9 +634,9 @@ def test_check_options_names_the_bad_flag(options, flag):
         (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
     ],
 )
-def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys):
+def test_bad_values_exit_2_with_one_line_before_compiling(flags, name):
     """In process: main validates before anything is compiled."""
-    status, _, stderr = in_process(ppo, capsys, *flags)
+    status, _, stderr = in_process(ppo, *flags)
     assert status == 2 and len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
 
 
@@ -663,8 +663,8 @@ def run(*flags, env=None) -> subprocess.CompletedProcess:
     return run_script(ppo, *flags, env=env)
 
 
-def test_help_lists_every_option(capsys):
-    status, out, err = in_process(ppo, capsys, "--help")
+def test_help_lists_every_option():
+    status, out, err = in_process(ppo, "--help")
     assert status == 0
     for flag in [
         "--seed",
@@ -701,12 +701,12 @@ def test_help_lists_every_option(capsys):
     assert "shaped_reward" not in out  # a function's name is no help
 
 
-def test_bad_flags_from_the_command_line(capsys):
-    status, out, err = in_process(ppo, capsys, "--env.grid-size", "21")
+def test_bad_flags_from_the_command_line():
+    status, out, err = in_process(ppo, "--env.grid-size", "21")
     assert status == 2 and err.strip() == (
         "ppo_snake.py: error: --env.grid-size must be in [6, 20], got 21"
     )
-    status, out, err = in_process(ppo, capsys, "--no-such-flag")
+    status, out, err = in_process(ppo, "--no-such-flag")
     assert status == 2 and "--no-such-flag" in err
 
 

@@ -128,7 +128,7 @@ def test_a_signalled_run_stops_after_its_chunk_and_resumes_bit_for_bit(tmp_path)
         assert_same_run(stopped, tmp_path / "never_stopped")
 
 
-def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path, capsys):
+def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
     """After a real stop, the refusals in process (the same main, nothing compiled), but for a
     checkpoint without a train state (telling needs the run's layout, which compiles)."""
     folder = tmp_path / "run"
@@ -148,9 +148,9 @@ def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path, capsys):
         (["--resume", str(folder), "--q-lr", "0.1"], "--q-lr is set by the checkpoint"),
         (["--resume", str(folder), "--output-dir", str(other)], "(without --output-dir)"),
     ]:
-        status, _, stderr = in_process(sac_pendulum, capsys, *flags)
+        status, _, stderr = in_process(sac_pendulum, *flags)
         assert status == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, flags
-    status, _, stderr = in_process(ppo_cartpole, capsys, "--resume", str(folder))
+    status, _, stderr = in_process(ppo_cartpole, "--resume", str(folder))
     assert status == 2 and "is a sac_pendulum checkpoint" in stderr
     result = run("sac_pendulum", ["--resume", str(tmp_path / "model_only")], check=2)
     assert "holds no train state of this run" in result.stderr

@@ -269,9 +269,9 @@ def test_gif_shows_every_second_step_and_holds_an_ended_episode():
         (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
     ],
 )
-def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys):
+def test_bad_values_exit_2_with_one_line_before_compiling(flags, name):
     """In process: main validates before anything is compiled."""
-    status, _, stderr = in_process(sac, capsys, *flags)
+    status, _, stderr = in_process(sac, *flags)
     assert status == 2 and len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
 
 
@@ -296,8 +296,8 @@ def run(*flags, env=None) -> subprocess.CompletedProcess:
     return run_script(sac, *flags, env=env)
 
 
-def test_help_lists_every_option_with_the_task_defaults(capsys):
-    status, out, err = in_process(sac, capsys, "--help")
+def test_help_lists_every_option_with_the_task_defaults():
+    status, out, err = in_process(sac, "--help")
     assert status == 0
     for flag in [
         "--env-id",
@@ -323,18 +323,18 @@ def test_help_lists_every_option_with_the_task_defaults(capsys):
     def default_total_timesteps(text: str) -> int:
         return int(re.search(r"--total-timesteps.*?\(default: (\d+)\)", text, re.DOTALL).group(1))
 
-    _, swingup, _ = in_process(sac, capsys, "--env-id", "CartPoleSwingup", "--help")
+    _, swingup, _ = in_process(sac, "--env-id", "CartPoleSwingup", "--help")
     assert default_total_timesteps(out) == sac.Config().total_timesteps
     swingup_steps = sac.default_config("CartPoleSwingup").total_timesteps
     assert default_total_timesteps(swingup) == swingup_steps
 
 
-def test_bad_flags_from_the_command_line(capsys):
-    status, out, err = in_process(sac, capsys, "--tau", "2")
+def test_bad_flags_from_the_command_line():
+    status, out, err = in_process(sac, "--tau", "2")
     assert status == 2 and err.strip() == (
         "sac_cartpole.py: error: --tau must be in (0, 1], got 2.0"
     )
-    status, out, err = in_process(sac, capsys, "--no-such-flag")
+    status, out, err = in_process(sac, "--no-such-flag")
     assert status == 2 and "--no-such-flag" in err
 
 
@@ -425,7 +425,7 @@ def test_eval_only_reproduces_the_saved_evaluation(finished_run, tmp_path, task_
     assert not (tmp_path / "model.msgpack").exists()
 
 
-def test_eval_only_refuses_other_checkpoints_and_overridden_flags(finished_run, tmp_path, capsys):
+def test_eval_only_refuses_other_checkpoints_and_overridden_flags(finished_run, tmp_path):
     """In process: refused in one line before anything is compiled, the file's bytes unshown."""
     out, _ = finished_run
     model = out / "model.msgpack"
@@ -446,7 +446,7 @@ def test_eval_only_refuses_other_checkpoints_and_overridden_flags(finished_run, 
         (["--load-model", str(model), "--gamma", "0.5"], "--gamma is set by the checkpoint"),
         (["--load-model", str(balance), "--env-id", "CartPoleSwingup"], "--env-id"),
     ]:
-        status, _, stderr = in_process(sac, capsys, "--eval-only", *flags)
+        status, _, stderr = in_process(sac, "--eval-only", *flags)
         assert status == 2 and expected in stderr, stderr
         assert len(stderr.strip().splitlines()) == 1 and "SECRET" not in stderr
 

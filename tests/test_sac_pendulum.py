@@ -309,8 +309,8 @@ def run(*flags, env=None) -> subprocess.CompletedProcess:
     return run_script(sac, *flags, env=env)
 
 
-def test_help_lists_every_option(capsys):
-    status, out, err = in_process(sac, capsys, "--help")
+def test_help_lists_every_option():
+    status, out, err = in_process(sac, "--help")
     assert status == 0
     for flag in [
         "--seed",
@@ -344,9 +344,9 @@ def test_help_lists_every_option(capsys):
         (["--eval-only", "--load-model", "no/such/model.msgpack"], "--load-model"),
     ],
 )
-def test_bad_values_exit_2_with_one_line_before_compiling(flags, name, capsys):
+def test_bad_values_exit_2_with_one_line_before_compiling(flags, name):
     """In process: main validates before anything is compiled."""
-    status, _, stderr = in_process(sac, capsys, *flags)
+    status, _, stderr = in_process(sac, *flags)
     assert status == 2 and len(stderr.strip().splitlines()) == 1 and name in stderr, stderr
 
 
@@ -366,12 +366,12 @@ def test_what_tyro_rejects_it_reports_with_exit_2(flags, name, capsys):
     assert name in capsys.readouterr().err
 
 
-def test_bad_flags_from_the_command_line(capsys):
-    status, out, err = in_process(sac, capsys, "--tau", "2")
+def test_bad_flags_from_the_command_line():
+    status, out, err = in_process(sac, "--tau", "2")
     assert status == 2 and err.strip() == (
         "sac_pendulum.py: error: --tau must be in (0, 1], got 2.0"
     )
-    status, out, err = in_process(sac, capsys, "--no-such-flag")
+    status, out, err = in_process(sac, "--no-such-flag")
     assert status == 2 and "--no-such-flag" in err
 
 

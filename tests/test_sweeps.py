@@ -76,9 +76,9 @@ def test_every_sweepable_field_is_traced_through_training_and_evaluation(script)
         (["gamma=0.9,0.9"], "--sweep must be distinct values, got gamma=0.9,0.9"),
     ],
 )
-def test_bad_grids_exit_2_with_one_line_before_compiling(script, sweep, message, capsys):
+def test_bad_grids_exit_2_with_one_line_before_compiling(script, sweep, message):
     module = importlib.import_module(script)
-    status, _, stderr = in_process(module, capsys, "--sweep", *sweep)
+    status, _, stderr = in_process(module, "--sweep", *sweep)
     stderr = stderr.strip()
     assert status == 2 and len(stderr.splitlines()) == 1 and message in stderr, stderr
     assert stderr.startswith(f"{script}.py: error: --sweep")

@@ -45,7 +45,7 @@ def read_events(directory: Path) -> list:
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_track_without_tensorboardx_is_one_line_and_exit_2(script, capsys, monkeypatch):
+def test_track_without_tensorboardx_is_one_line_and_exit_2(script, monkeypatch):
     module = importlib.import_module(script)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -53,7 +53,7 @@ def test_track_without_tensorboardx_is_one_line_and_exit_2(script, capsys, monke
         "find_spec",
         lambda name: None if name == "tensorboardX" else find_spec(name),
     )
-    status, _, stderr = in_process(module, capsys, "--track")
+    status, _, stderr = in_process(module, "--track")
     assert status == 2 and stderr.strip() == (
         f"{script}.py: error: --track needs tensorboardX: pip install tensorboardX"
     )
