@@ -532,7 +532,7 @@ GPU_LIST = [  # (benchmark, options): docs/benchmarks.md's GPU list; 466 s on on
     ("sweep", dict(sweep=["q-lr=3e-4,5e-4,1e-3,2e-3,3e-3,5e-3,1e-2,2e-2"], num_seeds=8)),
 ]
 ALL_LIST = ["envs", "train", "seeds", "solve", "launch"]
-TINY = dict(quick=True, num_envs=[16, 256], seeds=[1], sweep=["q-lr=3e-3"], num_seeds=1)
+TINY = dict(quick=True, num_envs=[16, 64], seeds=[1], sweep=["q-lr=3e-3"], num_seeds=1)
 
 
 def run_plan(args: argparse.Namespace) -> None:
