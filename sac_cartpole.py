@@ -713,12 +713,6 @@ def solved_return(config: Config) -> float:
     return 350.0 if config.env_id == "CartPoleSwingup" else 475.0
 
 
-def command_line_defaults(config: Config) -> Config:
-    """What the flags override: the --env-id task's defaults, with balance's env_id (so that a
-    swing-up --env-id counts as given)."""
-    return dataclasses.replace(default_config(config.env_id), env_id=Config().env_id)
-
-
 # ---- options and validation ----
 
 
@@ -744,6 +738,7 @@ class Options:
     coordinator_address: str | None = None  # HOST:PORT of process 0 (unless a cluster is detected)
     num_processes: int | None = None  # processes of a --distributed run
     process_id: int | None = None  # this process's index in [0, --num-processes)
+    typed: tyro.conf.Suppress[frozenset[str]] = frozenset()  # parse_args: the flags' field names
 
 
 class UsageError(Exception):
@@ -1017,9 +1012,10 @@ def space_shapes(config: Config) -> tuple:
     return env.observation_space(env_params).shape, actions.shape, getattr(actions, "n", None)
 
 
-def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict]:
-    """(the checkpoint's config, its contents). Config flags given here are refused, except with
+def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Config, dict]:
+    """(the checkpoint's config, its contents). Config flags typed here are refused, except with
     --load-model the env's (a robustness check) where they keep the obs and action shapes."""
+    flag = "--resume" if options.resume else "--load-model"
     try:
         payload = flax.serialization.msgpack_restore(path.read_bytes())
         if payload["script"] == SCRIPT:
@@ -1032,8 +1028,7 @@ def load_checkpoint(path: Path, config: Config, flag: str) -> tuple[Config, dict
     if payload["script"] != SCRIPT:
         found = f"a {payload['script']} checkpoint for {payload['env']}"
         raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
-    defaults = flat(command_line_defaults(config))
-    given = {name: value for name, value in flat(config).items() if value != defaults[name]}
+    given = {name: value for name, value in flat(config).items() if name in options.typed}
     physics = {name: value for name, value in given.items() if name.startswith("env.")}
     physics = physics if flag == "--load-model" else {}
     for name, value in given.items():
@@ -1298,8 +1293,7 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         sys.exit(0)  # (its checkpoint was removed when it finished)
     saved = None
     if options.resume or options.eval_only:
-        flag = "--resume" if options.resume else "--load-model"
-        config, saved = load_checkpoint(path, config, flag)
+        config, saved = load_checkpoint(path, config, options)
     grid = sweep_grid(config)
     num_runs = len(grid) * config.num_seeds
     devices = jax.devices()  # of every process: the runs are sharded over all of them
@@ -1418,7 +1412,9 @@ def parse_args(args: Sequence[str] | None = None) -> tuple[Config, Options]:
     peek.add_argument("--env-id", "--env_id", default="CartPoleContinuous", nargs="?")
     default = Arguments(config=default_config(peek.parse_known_args(args)[0].env_id))
     parsed = tyro.cli(Arguments, args=args, default=default, description=__doc__.splitlines()[0])
-    return parsed.config, parsed.run
+    named = [word[2:].split("=")[0].replace("-", "_") for word in args if word.startswith("--")]
+    typed = frozenset(name.replace(".no_", ".").removeprefix("no_") for name in named)  # --no-X: X
+    return parsed.config, dataclasses.replace(parsed.run, typed=typed)
 
 
 if __name__ == "__main__":

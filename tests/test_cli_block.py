@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import flax.serialization
 import jax
 import pytest
 import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
@@ -144,6 +145,18 @@ def test_eval_only_names_its_model_and_evaluates_under_other_physics(pendulum_ru
     refused = test_sac_pendulum.run(*flags, "--gamma", "0.5")
     assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1
     assert "--gamma is set by the checkpoint" in refused.stderr
+    # A flag typed at the script's default is typed all the same: a model trained heavier
+    # evaluates at the default mass when asked to, and the default networks are refused.
+    payload = flax.serialization.msgpack_restore((pendulum_run / "model.msgpack").read_bytes())
+    trained = json.loads(payload["config"])
+    payload["config"] = json.dumps(trained | {"env": trained["env"] | {"m": 2.0}})
+    (tmp_path / "heavy.msgpack").write_bytes(flax.serialization.msgpack_serialize(payload))
+    flags = ["--eval-only", "--load-model", str(tmp_path / "heavy.msgpack"), "--eval-episodes", "4"]
+    default = ["--env.m", "1.0", "--no-capture-gif", "--output-dir", str(tmp_path / "default")]
+    assert test_sac_pendulum.run(*flags, *default).returncode == 0
+    assert json.loads((tmp_path / "default" / "config.json").read_text())["env"]["m"] == 1.0
+    refused = test_sac_pendulum.run(*flags, "--hidden-sizes", "64", "64")  # the default
+    assert refused.returncode == 2 and "--hidden-sizes is set by the checkpoint" in refused.stderr
 
 
 def test_eval_only_refuses_physics_that_change_the_observation_shape(tmp_path):
@@ -153,11 +166,11 @@ def test_eval_only_refuses_physics_that_change_the_observation_shape(tmp_path):
     params = jax.tree.map(lambda leaf: jax.numpy.zeros(leaf.shape, leaf.dtype), params)
     path = tmp_path / "model.msgpack"
     path.write_bytes(module.checkpoint(config, [{}], jax.tree.map(lambda x: x[None], params), {}))
-    smaller = module.parse_args(["--env.grid-size", "6"])[0]
+    smaller = module.parse_args(["--eval-only", "--load-model", str(path), "--env.grid-size", "6"])
     with pytest.raises(module.UsageError, match="must keep the obs and action shapes"):
-        module.load_checkpoint(path, smaller, "--load-model")
-    loaded, _ = module.load_checkpoint(path, module.Config(), "--load-model")
-    assert loaded == config
+        module.load_checkpoint(path, *smaller)
+    loaded, _ = module.load_checkpoint(path, module.Config(), module.Options(eval_only=True))
+    assert loaded == config  # from Python, no flag typed: the model's config whole
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -166,7 +179,7 @@ def test_refusals_name_no_python_exception(script, tmp_path):
     garbage.write_bytes(b"\x80\x80")  # a msgpack map, then extra data
     module = importlib.import_module(script)
     with pytest.raises(module.UsageError) as error:
-        module.load_checkpoint(garbage, module.Config(), "--load-model")
+        module.load_checkpoint(garbage, module.Config(), module.Options(eval_only=True))
     assert "Error" not in str(error.value) and "ExtraData" not in str(error.value)
     assert f"is not a checkpoint of {script}" in str(error.value)
 

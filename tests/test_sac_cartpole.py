@@ -77,11 +77,14 @@ def test_each_task_has_its_defaults_and_flags_override_them():
         ["--env_id=CartPoleSwingup", "--gamma", "0.9"],
         ["--env-id=CartPoleSwingup", "--gamma", "0.9"],
     ]:
-        assert sac.parse_args(flags) == (dataclasses.replace(swingup, gamma=0.9), sac.Options())
+        config, options = sac.parse_args(flags)
+        assert config == dataclasses.replace(swingup, gamma=0.9)
+        assert options == sac.Options(typed=frozenset({"env_id", "gamma"}))  # the flags typed
     assert sac.parse_args(["--env.force-mag", "20"])[0].env == sac.EnvConfig(force_mag=20.0)
     # the options are read beside the task's config, flat
     config, options = sac.parse_args(["--env-id", "CartPoleSwingup", "--eval-episodes", "7"])
-    assert config == swingup and options == sac.Options(eval_episodes=7)
+    assert config == swingup and options.eval_episodes == 7
+    assert options.typed == {"env_id", "eval_episodes"}  # load_checkpoint reads the config's
 
 
 # ---- bootstrapping: terminations stop it, the time limit does not ----
