@@ -27,7 +27,7 @@ import envs
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
 BANNER = "# ---- command line: nothing below changes what is learned ----"
-# Lines from the banner to the end: the block with every capability came to 735-749 lines
+# Lines from the banner to the end: the block with every capability is 734-745 lines
 # (CONTRIBUTING.md has its sections); this keeps it from growing.
 BUDGET = 750
 
@@ -54,6 +54,22 @@ def test_each_block_is_within_its_line_budget():
 def test_the_command_line_block_is_one_block(first, second):
     """A fix made in one script's block has to reach the others."""
     assert shared_block(first) == shared_block(second)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_parse_args_notes_the_config_fields_typed(script):
+    """--resume and --eval-only refuse the config flags typed (a default value too): every way of
+    typing one (-, _, =, --no-X, --env.no-X) names its field; run options are noted as typed."""
+    module = importlib.import_module(script)
+    defaults = module.flat(module.Config())
+    switches = [name for name, value in defaults.items() if isinstance(value, bool)]
+    flags = ["--gamma", str(defaults["gamma"]), f"--num_envs={defaults['num_envs']}"]
+    for name in switches:  # each to its other value: --no-X (--env.no-X) for a True default
+        env, dot, field = name.rpartition(".")
+        flags.append(f"--{env}{dot}{'no-' if defaults[name] else ''}{field.replace('_', '-')}")
+    config, options = module.parse_args([*flags, "--eval-episodes", "3"])
+    assert options.typed == {"gamma", "num_envs", *switches, "eval_episodes"}
+    assert all(module.flat(config)[name] != defaults[name] for name in switches)
 
 
 # sac_pendulum stands for the PPO scripts (the same block and parse_args); sac_cartpole has its own
