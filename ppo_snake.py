@@ -802,6 +802,7 @@ from typing import Annotated, NamedTuple, get_type_hints
 import flax.serialization
 import numpy as np
 import tyro
+from flax.traverse_util import flatten_dict
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -1117,22 +1118,39 @@ def space_shapes(config: Config) -> tuple:
     return env.observation_space(env_params).shape, actions.shape, getattr(actions, "n", None)
 
 
+def difference(payload: dict, layout: dict, runs: int) -> str | None:
+    """The first entry where the file's trees (leading run axis) differ from one run's layout."""
+    if missing := [name for name in layout if name not in payload]:
+        return f"{missing[0]} is absent in the file"
+    saved = flatten_dict({name: payload[name] for name in layout}, sep=".")
+    ours = flatten_dict(flax.serialization.to_state_dict(layout), sep=".")
+    saved = {name: np.shape(x) for name, x in saved.items() if x is not None}
+    ours = {name: (runs, *x.shape) for name, x in ours.items() if x is not None}
+    for name in sorted(saved.keys() | ours.keys()):
+        if saved.get(name) != ours.get(name):
+            return f"{name} is {saved.get(name, 'absent')} in the file, {ours.get(name)} here"
+    return None
+
+
 def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Config, dict]:
     """(the checkpoint's config, its contents). Config flags typed here are refused, except with
     --load-model the env's (a robustness check) where they keep the obs and action shapes."""
     flag = "--resume" if options.resume else "--load-model"
     try:
         payload = flax.serialization.msgpack_restore(path.read_bytes())
-        if payload["script"] == SCRIPT:
-            saved = json.loads(payload["config"])
-            saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
-            saved = Config(**saved | {"env": EnvConfig(**saved["env"])})
+        saved = json.loads(payload["config"])
     except Exception as error:  # whatever is wrong with the file, it is the same user error
         reason = getattr(error, "strerror", None) or "not a model or checkpoint file"
         raise UsageError(f"{flag} {path} is not a checkpoint of {SCRIPT} ({reason})") from None
     if payload["script"] != SCRIPT:
         found = f"a {payload['script']} checkpoint for {payload['env']}"
         raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
+    env = saved.pop("env")
+    unknown = ", ".join(sorted({*saved, *(f"env.{name}" for name in env)} - flat(config).keys()))
+    if unknown:  # (a field it lacks takes this script's default)
+        raise UsageError(f"{flag} {path}: its config has {unknown}, which this {SCRIPT} has not")
+    saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
+    saved = Config(**saved, env=EnvConfig(**env))
     given = {name: value for name, value in flat(config).items() if name in options.typed}
     physics = {name: value for name, value in given.items() if name.startswith("env.")}
     physics = physics if flag == "--load-model" else {}
@@ -1145,6 +1163,11 @@ def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Confi
         flags = " ".join(f"--{name.replace('_', '-')}" for name in physics)
         raise UsageError(f"{flags} with --load-model must keep the obs and action shapes")
     validate(saved)  # the checkpoint's values meet this script's ranges too
+    layout = jax.eval_shape(make_train(saved)[0], jax.random.PRNGKey(0))  # one run's
+    ours = {"params": trained_params(layout)} | ({"state": layout} if options.resume else {})
+    found = difference(payload, ours, len(payload["runs"]))
+    if found:  # a file of an older version, or of another copy
+        raise UsageError(f"{flag} {path} does not fit this {SCRIPT}: {found}")
     return saved, payload
 
 
@@ -1406,15 +1429,9 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
     sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
     keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
-    if options.resume:  # the saved train state, checked against the layout init makes
+    if options.resume:  # the saved train state (load_checkpoint checked it) as init makes it
         layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys.train)
-        try:
-            state = flax.serialization.from_state_dict(layout, saved["state"])
-        except (KeyError, ValueError, TypeError):
-            state = None
-        if state is None or jax.tree.map(np.shape, state) != jax.tree.map(np.shape, layout):
-            raise UsageError(f"--resume {path} holds no train state of this run")
-        saved["state"] = state
+        saved["state"] = flax.serialization.from_state_dict(layout, saved["state"])
     out = path.parent if options.resume else Path(options.output_dir or "runs")
     if is_lead():  # process 0 writes every output
         try:

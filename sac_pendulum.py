@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from chex import Array, PRNGKey
 from flax import struct
+from jax.flatten_util import ravel_pytree
 
 import envs
 
@@ -113,8 +114,9 @@ class Actor(nn.Module):
         x = obs
         for size in self.hidden_sizes:
             x = nn.relu(nn.Dense(size, kernel_init=TORCH_LINEAR_INIT)(x))
-        mean = nn.Dense(self.action_dim, kernel_init=TORCH_LINEAR_INIT, name="mean")(x)
-        log_std = nn.Dense(self.action_dim, kernel_init=TORCH_LINEAR_INIT, name="log_std")(x)
+        # The mean and log-std heads as one layer: one matrix multiply, not two.
+        heads = nn.Dense(2 * self.action_dim, kernel_init=TORCH_LINEAR_INIT, name="heads")(x)
+        mean, log_std = jnp.split(heads, 2, axis=-1)
         # A smooth clamp of the log-std into [LOG_STD_MIN, LOG_STD_MAX], as CleanRL does.
         log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (jnp.tanh(log_std) + 1)
         return mean, log_std
@@ -133,11 +135,10 @@ class Critic(nn.Module):
         return nn.Dense(1, kernel_init=TORCH_LINEAR_INIT, name="q")(x).squeeze(-1)
 
 
-def action_bounds(env: envs.Environment, env_params: Any) -> tuple[Array, Array]:
-    """(scale, offset) that map tanh's (-1, 1) onto the env's action box."""
-    space = env.action_space(env_params)  # gymnax's own boxes have Python floats as bounds
-    scale = jnp.broadcast_to((space.high - space.low) / 2, space.shape)
-    return scale, jnp.broadcast_to((space.high + space.low) / 2, space.shape)
+def unraveler(shapes: Params) -> Callable[[Array], Params]:
+    """vector -> a parameter tree of these shapes (ravel_pytree's inverse). A network lives as one
+    vector: Adam and the target update are one operation each, not one per layer (docs/sac.md)."""
+    return ravel_pytree(jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes))[1]
 
 
 def squashed_gaussian_log_prob(
@@ -176,32 +177,29 @@ class Transition:
 
 @struct.dataclass
 class Buffer:
-    data: Transition  # preallocated, leading axis = capacity
+    """Preallocated; a transition per row of one array (obs, action, reward, next_obs,
+    terminated side by side), so that storing and sampling are one operation, not one per field."""
+
+    rows: Array  # [capacity, 2 obs_dim + action_dim + 2]
     position: Array  # int32, the next slot to write
     size: Array  # int32, how many slots hold data
+    obs_dim: int = struct.field(pytree_node=False)
 
 
 def buffer_init(capacity: int, obs_dim: int, action_dim: int) -> Buffer:
-    data = Transition(
-        obs=jnp.zeros((capacity, obs_dim)),
-        action=jnp.zeros((capacity, action_dim)),
-        reward=jnp.zeros(capacity),
-        next_obs=jnp.zeros((capacity, obs_dim)),
-        terminated=jnp.zeros(capacity),
-    )
-    return Buffer(data=data, position=jnp.int32(0), size=jnp.int32(0))
+    rows = jnp.zeros((capacity, 2 * obs_dim + action_dim + 2))
+    return Buffer(rows=rows, position=jnp.int32(0), size=jnp.int32(0), obs_dim=obs_dim)
 
 
 def buffer_add(buffer: Buffer, transitions: Transition) -> Buffer:
     """Write one step's transitions (leading axis num_envs <= capacity) at once, wrapping around."""
-    capacity = buffer.data.reward.shape[0]
+    capacity = buffer.rows.shape[0]
     count = transitions.reward.shape[0]
     slots = (buffer.position + jnp.arange(count)) % capacity
-    data = jax.tree.map(
-        lambda stored, new: stored.at[slots].set(new, unique_indices=True), buffer.data, transitions
-    )
-    return Buffer(
-        data=data,
+    fields = [transitions.obs, transitions.action, transitions.reward[:, None]]
+    rows = jnp.concatenate([*fields, transitions.next_obs, transitions.terminated[:, None]], axis=1)
+    return buffer.replace(
+        rows=buffer.rows.at[slots].set(rows, unique_indices=True),
         position=(buffer.position + count) % capacity,
         size=jnp.minimum(buffer.size + count, capacity),
     )
@@ -209,8 +207,15 @@ def buffer_add(buffer: Buffer, transitions: Transition) -> Buffer:
 
 def buffer_sample(buffer: Buffer, key: PRNGKey, batch_size: int) -> Transition:
     """A uniform batch from the filled slots only."""
-    slots = jax.random.randint(key, (batch_size,), 0, buffer.size)
-    return jax.tree.map(lambda stored: stored[slots], buffer.data)
+    rows = buffer.rows[jax.random.randint(key, (batch_size,), 0, buffer.size)]
+    obs_end, action_end = buffer.obs_dim, rows.shape[1] - buffer.obs_dim - 2
+    return Transition(
+        obs=rows[:, :obs_end],
+        action=rows[:, obs_end:action_end],
+        reward=rows[:, action_end],
+        next_obs=rows[:, action_end + 1 : -1],
+        terminated=rows[:, -1],
+    )
 
 
 # ---- train state and losses ----
@@ -218,11 +223,10 @@ def buffer_sample(buffer: Buffer, key: PRNGKey, batch_size: int) -> Transition:
 
 @struct.dataclass
 class Learner:
-    """What a gradient update changes."""
+    """What a gradient update changes. A network's parameters are one vector (unraveler)."""
 
-    actor_params: Params
-    critic_params: Params  # twin critics: every leaf has a leading axis of 2
-    target_critic_params: Params
+    actor_params: Array  # [actor_size]
+    critics: Array  # [2, critic_size]: the twin critics' parameters, then their Polyak targets'
     log_alpha: Array  # the temperature, log-parameterised so that it stays positive
     actor_opt_state: optax.OptState
     critic_opt_state: optax.OptState
@@ -238,7 +242,7 @@ class TrainState:
     buffer: Buffer
     env_state: envs.EpisodeStatsState  # [num_envs]
     obs: Array  # [num_envs, obs_dim]
-    key: PRNGKey
+    key: PRNGKey  # the run's key: iteration i draws from fold_in(key, i)
     env_steps: Array  # int32, all envs together
 
 
@@ -252,20 +256,16 @@ class Losses:
 
 
 @struct.dataclass
-class IterationLog:
-    """What one iteration reports to its chunk's metrics."""
+class Totals:
+    """A chunk's running sums, each one array: an iteration adds to each in one operation."""
 
-    episode_ended: Array  # [num_envs]
-    episode_return: Array  # [num_envs], of the episodes that ended
-    episode_length: Array  # [num_envs]
-    learning: Array  # whether this iteration updated the networks
-    losses: Losses
+    episodes: Array  # [3, num_envs]: per env, the episodes ended, their returns and lengths
+    losses: Array  # [5]: the Losses of the updates, summed (ravel_pytree's order)
 
 
 @struct.dataclass
 class Metrics:
-    """A chunk's numbers for one seed: means over its completed episodes and over its updates
-    (NaN where there were none)."""
+    """A chunk's numbers for one seed: means over its ended episodes and its updates (or NaN)."""
 
     env_steps: Array
     updates: Array
@@ -280,13 +280,9 @@ class Metrics:
 
 
 def trained_params(state: TrainState) -> Params:
-    """What a checkpoint keeps and the evaluation reads."""
+    """What a checkpoint keeps and the evaluation reads: each network's parameter vector."""
     learner = state.learner
-    return {
-        "actor": learner.actor_params,
-        "critic": learner.critic_params,
-        "log_alpha": learner.log_alpha,
-    }
+    return dict(actor=learner.actor_params, critics=learner.critics, log_alpha=learner.log_alpha)
 
 
 def td_target(
@@ -299,38 +295,37 @@ def td_target(
 
 
 def critic_loss(
-    critic_params: Params, batch: Transition, target: Array, q_values: Callable
+    critic_params: Array, target_params: Array, batch: Transition, next_sample: tuple, alpha, agent
 ) -> tuple[Array, Array]:
-    """Sum over the twin critics (q_values -> [2, batch]) of the mean squared TD error (CleanRL)."""
-    q = q_values(critic_params, batch.obs, batch.action)
-    chex.assert_shape(q, (2, *target.shape))
+    """Sum over the twin critics of the mean squared error to the soft TD target (CleanRL); the
+    critics at (s, a) and their targets at next_sample = (a', log pi(a'|s')) in one pass."""
+    next_action, next_log_prob = next_sample
+    q, next_q = agent.q_values(
+        jnp.stack([critic_params, target_params]),  # the targets: not differentiated
+        jnp.stack([batch.obs, batch.next_obs]),
+        jnp.stack([batch.action, next_action]),
+    )
+    target = td_target(batch, next_q, next_log_prob, alpha, agent.config.gamma)
     return jnp.sum(jnp.mean((q - jax.lax.stop_gradient(target)) ** 2, axis=1)), q
 
 
 def actor_loss(
-    actor_params: Params,
-    critic_params: Params,
-    obs: Array,
-    noise: Array,
-    alpha: Array,
-    policy: Callable,
-    q_values: Callable,
-) -> tuple[Array, Array]:
-    """E[alpha * log pi(a|s) - min_i Q_i(s, a)], a = policy(params, s, noise) reparameterised."""
-    action, log_prob = policy(actor_params, obs, noise)
-    q = jnp.min(q_values(critic_params, obs, action), axis=0)
+    actor_params: Array, critic_params: Array, batch: Transition, noise: Array, alpha, agent
+) -> tuple[Array, tuple]:
+    """E[alpha * log pi(a|s) - min_i Q_i(s, a)], a reparameterised with noise's first half; the
+    same pass samples (a', log pi(a'|s')) with its second half for the critics' target."""
+    obs = jnp.concatenate([batch.obs, batch.next_obs])
+    actions, log_probs = agent.policy(actor_params, obs, noise)
+    action, next_action = jnp.split(actions, 2)
+    log_prob, next_log_prob = jnp.split(log_probs, 2)
+    q = jnp.min(agent.q_values(critic_params, batch.obs, action), axis=0)
     chex.assert_equal_shape([q, log_prob])
-    return jnp.mean(alpha * log_prob - q), log_prob
+    return jnp.mean(alpha * log_prob - q), (log_prob, (next_action, next_log_prob))
 
 
-def alpha_loss(log_alpha: Array, log_prob: Array, target_entropy: float) -> Array:
-    """E[-alpha * (log pi(a|s) + target_entropy)]: alpha grows while the entropy is below target."""
-    return -jnp.exp(log_alpha) * jnp.mean(jax.lax.stop_gradient(log_prob) + target_entropy)
-
-
-def masked_mean(values: Array, mask: Array) -> Array:
-    """The mean of `values` where `mask` holds; NaN where it holds nowhere."""
-    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.where(mask.any(), mask.sum(), jnp.nan)
+def alpha_loss(log_alpha: Array, entropy: Array, target_entropy: float) -> Array:
+    """alpha * (entropy - target_entropy): alpha grows while the entropy is below target."""
+    return jnp.exp(log_alpha) * (entropy - target_entropy)
 
 
 # ---- training ----
@@ -338,12 +333,14 @@ def masked_mean(values: Array, mask: Array) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class Agent:
-    """What make_train builds once and the update steps read: the networks, their optimisers and
-    the action bounds. Static; the train state holds everything that changes."""
+    """What make_agent builds once and the update steps read: the networks, how to unravel their
+    parameter vectors, the optimisers and the action bounds; the train state holds the rest."""
 
     config: Config
     actor: Actor
     critic: Critic
+    unravel_actor: Callable[[Array], Params]
+    unravel_critics: Callable[[Array], Params]  # a twin pair's vector -> leaves [2, ...]
     actor_optimizer: optax.GradientTransformation
     critic_optimizer: optax.GradientTransformation
     alpha_optimizer: optax.GradientTransformation
@@ -351,79 +348,111 @@ class Agent:
     action_offset: Array
     target_entropy: float
 
-    def policy(self, actor_params: Params, obs: Array, noise: Array) -> tuple[Array, Array]:
-        mean, log_std = self.actor.apply(actor_params, obs)
+    def policy(self, actor_params: Array, obs: Array, noise: Array) -> tuple[Array, Array]:
+        mean, log_std = self.actor.apply(self.unravel_actor(actor_params), obs)
         return squashed_gaussian_sample(mean, log_std, noise, self.action_scale, self.action_offset)
 
-    def q_values(self, critic_params: Params, obs: Array, action: Array) -> Array:
-        return jax.vmap(self.critic.apply, in_axes=(0, None, None))(critic_params, obs, action)
+    def q_values(self, critic_params: Array, obs: Array, action: Array) -> Array:
+        """Q [..., 2, batch] of the twin critics (critic_params [..., critic_size]) at obs and
+        action [..., batch, dim]; the pairs of a leading axis, each at its own inputs, are one
+        batch of critics (the critics and their targets in one pass: docs/sac.md)."""
+        pairs = jax.vmap(self.unravel_critics)(critic_params.reshape(-1, critic_params.shape[-1]))
+        params = jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), pairs)
+        inputs = [jnp.repeat(x.reshape(-1, *x.shape[-2:]), 2, axis=0) for x in (obs, action)]
+        q = jax.vmap(self.critic.apply)(params, *inputs)  # [2 x pairs, batch]
+        return q.reshape(*critic_params.shape[:-1], 2, -1)
 
 
-def update_critic(agent: Agent, learner: Learner, batch: Transition, key: PRNGKey):
-    """A gradient step on the twin critics towards the soft TD target; Polyak targets."""
-    alpha = jnp.exp(learner.log_alpha)
-    next_noise = jax.random.normal(key, batch.action.shape)
-    next_action, next_log_prob = agent.policy(learner.actor_params, batch.next_obs, next_noise)
-    next_q = agent.q_values(learner.target_critic_params, batch.next_obs, next_action)
-    target = td_target(batch, next_q, next_log_prob, alpha, agent.config.gamma)
-    loss_grad = jax.value_and_grad(critic_loss, has_aux=True)
-    (loss, q), grads = loss_grad(learner.critic_params, batch, target, agent.q_values)
-    updates, opt_state = agent.critic_optimizer.update(
-        grads, learner.critic_opt_state, learner.critic_params
+def make_agent(config: Config) -> Agent:
+    env, env_params = make_env(config)
+    space = env.action_space(env_params)  # gymnax's own boxes have Python floats as bounds
+    action_dim = space.shape[0]
+    obs = jax.ShapeDtypeStruct((1, *env.observation_space(env_params).shape), jnp.float32)
+    action = jax.ShapeDtypeStruct((1, action_dim), jnp.float32)
+    actor = Actor(config.hidden_sizes, action_dim)
+    critic = Critic(config.hidden_sizes)
+    twin_critics = jax.vmap(critic.init, in_axes=(0, None, None))
+    key = jax.random.key(0)  # for the parameters' shapes
+    # Clipping, if asked for, is by the global norm, as the flag's name says.
+    clip = [] if config.max_grad_norm is None else [optax.clip_by_global_norm(config.max_grad_norm)]
+    return Agent(
+        config=config,
+        actor=actor,
+        critic=critic,
+        unravel_actor=unraveler(jax.eval_shape(actor.init, key, obs)),
+        unravel_critics=unraveler(jax.eval_shape(twin_critics, jnp.stack([key, key]), obs, action)),
+        actor_optimizer=optax.chain(*clip, optax.adam(config.policy_lr)),
+        critic_optimizer=optax.chain(*clip, optax.adam(config.q_lr)),
+        alpha_optimizer=optax.adam(config.q_lr),
+        action_scale=jnp.broadcast_to((space.high - space.low) / 2, space.shape),  # tanh's (-1, 1)
+        action_offset=jnp.broadcast_to((space.high + space.low) / 2, space.shape),  # to the box
+        target_entropy=-action_dim if config.target_entropy is None else config.target_entropy,
     )
-    critic_params = optax.apply_updates(learner.critic_params, updates)
-    learner = learner.replace(
-        critic_params=critic_params,
-        target_critic_params=optax.incremental_update(
-            critic_params, learner.target_critic_params, agent.config.tau
-        ),
-        critic_opt_state=opt_state,
-    )
-    return learner, loss, q
 
 
-def update_actor(agent: Agent, learner: Learner, obs: Array, key: PRNGKey):
-    """A gradient step on the actor against the updated critics."""
-    alpha = jnp.exp(learner.log_alpha)
-    noise = jax.random.normal(key, (obs.shape[0], agent.action_scale.shape[-1]))
+def adam_step(optimizer: optax.GradientTransformation, grads, opt_state, params):
+    """(params, opt_state) after one step of the optimiser."""
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def update_actor(agent: Agent, learner: Learner, batch: Transition, noise: Array, alpha: Array):
+    """A gradient step on the actor, against the critics before their own step."""
     loss_grad = jax.value_and_grad(actor_loss, has_aux=True)
-    (loss, log_prob), grads = loss_grad(
-        learner.actor_params, learner.critic_params, obs, noise, alpha, agent.policy, agent.q_values
+    (loss, (log_prob, next_sample)), grads = loss_grad(
+        learner.actor_params, learner.critics[0], batch, noise, alpha, agent
     )
-    updates, opt_state = agent.actor_optimizer.update(
-        grads, learner.actor_opt_state, learner.actor_params
+    actor_params, opt_state = adam_step(
+        agent.actor_optimizer, grads, learner.actor_opt_state, learner.actor_params
     )
-    actor_params = optax.apply_updates(learner.actor_params, updates)
-    return learner.replace(actor_params=actor_params, actor_opt_state=opt_state), loss, log_prob
+    learner = learner.replace(actor_params=actor_params, actor_opt_state=opt_state)
+    return learner, loss, log_prob, next_sample
 
 
-def update_temperature(agent: Agent, learner: Learner, log_prob: Array) -> Learner:
+def update_critics(agent: Agent, learner: Learner, batch: Transition, next_sample, alpha: Array):
+    """A gradient step on the twin critics towards the soft TD target; Polyak targets."""
+    critic_params, target_params = learner.critics
+    loss_grad = jax.value_and_grad(critic_loss, has_aux=True)
+    (loss, q), grads = loss_grad(critic_params, target_params, batch, next_sample, alpha, agent)
+    critic_params, opt_state = adam_step(
+        agent.critic_optimizer, grads, learner.critic_opt_state, critic_params
+    )
+    target_params = optax.incremental_update(critic_params, target_params, agent.config.tau)
+    critics = jnp.stack([critic_params, target_params])
+    return learner.replace(critics=critics, critic_opt_state=opt_state), loss, q
+
+
+def update_temperature(agent: Agent, learner: Learner, entropy: Array) -> Learner:
     """A gradient step on log(alpha) towards the target entropy (with --autotune)."""
-    grad = jax.grad(alpha_loss)(learner.log_alpha, log_prob, agent.target_entropy)
-    updates, opt_state = agent.alpha_optimizer.update(
-        grad, learner.alpha_opt_state, learner.log_alpha
+    grad = jax.grad(alpha_loss)(learner.log_alpha, entropy, agent.target_entropy)
+    log_alpha, opt_state = adam_step(
+        agent.alpha_optimizer, grad, learner.alpha_opt_state, learner.log_alpha
     )
-    log_alpha = optax.apply_updates(learner.log_alpha, updates)
     return learner.replace(log_alpha=log_alpha, alpha_opt_state=opt_state)
 
 
-def update(agent: Agent, buffer: Buffer, learner: Learner, key: PRNGKey) -> tuple[Learner, Losses]:
-    """One SAC update on a batch from the buffer: the critics, then the actor, then the
-    temperature (CleanRL's order); the temperature reuses the actor step's log-probs (rejax)."""
-    key_batch, key_critic, key_actor = jax.random.split(key, 3)
-    alpha = jnp.exp(learner.log_alpha)  # logged before this update changes it
+def update(agent: Agent, buffer: Buffer, learner: Learner, keys: tuple) -> tuple[Learner, Losses]:
+    """One SAC update on a batch from the buffer: the actor, the critics and their targets, the
+    temperature, each from the networks as the update found them, as the SAC authors' code does
+    (CleanRL steps the critics first): one actor pass then serves both (docs/sac.md)."""
+    key_batch, key_noise = keys
     batch = buffer_sample(buffer, key_batch, agent.config.batch_size)
-    learner, critic_loss_value, q = update_critic(agent, learner, batch, key_critic)
-    learner, actor_loss_value, log_prob = update_actor(agent, learner, batch.obs, key_actor)
+    noise = jax.random.normal(key_noise, (2 * len(batch.action), batch.action.shape[1]))
+    alpha = jnp.exp(learner.log_alpha)
+    learner, actor_loss_value, log_prob, next_sample = update_actor(
+        agent, learner, batch, noise, alpha
+    )
+    learner, critic_loss_value, q = update_critics(agent, learner, batch, next_sample, alpha)
+    entropy = -jnp.mean(log_prob)
     if agent.config.autotune:
-        learner = update_temperature(agent, learner, log_prob)
+        learner = update_temperature(agent, learner, entropy)
     learner = learner.replace(updates=learner.updates + 1)
     losses = Losses(
         critic_loss=critic_loss_value,
         actor_loss=actor_loss_value,
         alpha=alpha,
         q_mean=jnp.mean(q),
-        entropy=-jnp.mean(log_prob),
+        entropy=entropy,
     )
     return learner, losses
 
@@ -436,38 +465,27 @@ def make_train(config: Config):
     env = envs.EpisodeStats(env)
     obs_dim = env.observation_space(env_params).shape[0]
     action_dim = env.action_space(env_params).shape[0]
-    action_scale, action_offset = action_bounds(env, env_params)
     num_envs = config.num_envs
     step_envs = jax.vmap(env.step, in_axes=(0, 0, 0, None))
-    # Clipping, if asked for, is by the global norm, as the flag's name says.
-    clip = [] if config.max_grad_norm is None else [optax.clip_by_global_norm(config.max_grad_norm)]
-    agent = Agent(
-        config=config,
-        actor=Actor(config.hidden_sizes, action_dim),
-        critic=Critic(config.hidden_sizes),
-        actor_optimizer=optax.chain(*clip, optax.adam(config.policy_lr)),
-        critic_optimizer=optax.chain(*clip, optax.adam(config.q_lr)),
-        alpha_optimizer=optax.adam(config.q_lr),
-        action_scale=action_scale,
-        action_offset=action_offset,
-        target_entropy=-action_dim if config.target_entropy is None else config.target_entropy,
-    )
+    agent = make_agent(config)
+    zero = jnp.float32(0.0)
+    no_losses = Losses(critic_loss=zero, actor_loss=zero, alpha=zero, q_mean=zero, entropy=zero)
 
     def init(key: PRNGKey) -> TrainState:
         """Fresh networks, optimisers and envs, and an empty buffer."""
-        key_actor, key_critic, key_envs, key_loop = jax.random.split(key, 4)
+        key_actor, key_critics, key_envs, key_loop = jax.random.split(key, 4)
         reset_envs = jax.vmap(env.reset, in_axes=(0, None))
         obs, env_state = reset_envs(jax.random.split(key_envs, num_envs), env_params)
-        actor_params = agent.actor.init(key_actor, obs)
-        critic_keys = jax.random.split(key_critic, 2)  # twin critics
-        critic_init = jax.vmap(agent.critic.init, in_axes=(0, None, None))
-        critic_params = critic_init(critic_keys, obs, jnp.zeros((num_envs, action_dim)))
+        actor_params = ravel_pytree(agent.actor.init(key_actor, obs))[0]
+        twin_critics_init = jax.vmap(agent.critic.init, in_axes=(0, None, None))
+        twin_keys = jax.random.split(key_critics, 2)
+        twin_critics = twin_critics_init(twin_keys, obs, jnp.zeros((num_envs, action_dim)))
+        critic_params = ravel_pytree(twin_critics)[0]
         # alpha = 1 at the start when tuned, as in CleanRL
         log_alpha = jnp.log(jnp.float32(1.0 if config.autotune else config.alpha))
         learner = Learner(
             actor_params=actor_params,
-            critic_params=critic_params,
-            target_critic_params=critic_params,
+            critics=jnp.stack([critic_params, critic_params]),  # the targets start equal
             log_alpha=log_alpha,
             actor_opt_state=agent.actor_optimizer.init(actor_params),
             critic_opt_state=agent.critic_optimizer.init(critic_params),
@@ -483,25 +501,24 @@ def make_train(config: Config):
             env_steps=jnp.int32(0),
         )
 
-    def learn(learner: Learner, buffer: Buffer, key: PRNGKey) -> tuple[Learner, Losses]:
+    def learn(learner: Learner, buffer: Buffer, keys: tuple) -> tuple[Learner, Losses]:
         """updates_per_step updates in a row; their losses averaged."""
-        update_keys = jax.random.split(key, config.updates_per_step)
-        learner, losses = jax.lax.scan(
-            functools.partial(update, agent, buffer), learner, update_keys
-        )
+        if config.updates_per_step == 1:  # (a scan of one step still costs copies of its carry)
+            return update(agent, buffer, learner, keys)
+        keys = jax.tree.map(lambda key: jax.random.split(key, config.updates_per_step), keys)
+        learner, losses = jax.lax.scan(functools.partial(update, agent, buffer), learner, keys)
         return learner, jax.tree.map(jnp.mean, losses)
 
-    def wait(learner: Learner, buffer: Buffer, key: PRNGKey) -> tuple[Learner, Losses]:
-        """No update during the warm-up (zero losses, masked out of the metrics)."""
-        zero = jnp.float32(0.0)
-        losses = Losses(critic_loss=zero, actor_loss=zero, alpha=zero, q_mean=zero, entropy=zero)
-        return learner, losses
+    def wait(learner: Learner, buffer: Buffer, keys: tuple) -> tuple[Learner, Losses]:
+        return learner, no_losses  # during the warm-up (zero losses leave the sums as they are)
 
-    def iteration(state: TrainState, index: Array):
+    def iteration(carry: tuple[TrainState, Totals], index: Array):
         """Step every env, store the transitions, then update once past the warm-up. `index`
         (iterations so far) comes from the scan, not the state: equal across vmapped seeds, so
         the warm-up's lax.cond stays a branch instead of computing both sides."""
-        key, key_action, key_envs, key_update = jax.random.split(state.key, 4)
+        state, totals = carry
+        keys = jax.random.split(jax.random.fold_in(state.key, index), 4)
+        key_action, key_envs, key_batch, key_noise = keys
         learning = index * num_envs >= config.learning_starts
 
         # COLLECT: the policy's actions, or uniformly random ones during the warm-up
@@ -509,7 +526,8 @@ def make_train(config: Config):
         policy_action, _ = agent.policy(state.learner.actor_params, state.obs, noise)
         # erf(z / sqrt 2) of a standard normal z is uniform on (-1, 1): one draw serves both.
         uniform = jax.scipy.special.erf(noise / jnp.sqrt(2.0))
-        action = jnp.where(learning, policy_action, action_offset + action_scale * uniform)
+        random_action = agent.action_offset + agent.action_scale * uniform
+        action = jnp.where(learning, policy_action, random_action)
         env_keys = jax.random.split(key_envs, num_envs)
         obs, env_state, reward, terminated, _, info = step_envs(
             env_keys, state.env_state, action, env_params
@@ -526,40 +544,41 @@ def make_train(config: Config):
         buffer = buffer_add(state.buffer, transitions)
 
         # UPDATE NETWORKS
-        learner, losses = jax.lax.cond(learning, learn, wait, state.learner, buffer, key_update)
+        learner, losses = jax.lax.cond(
+            learning, learn, wait, state.learner, buffer, (key_batch, key_noise)
+        )
 
-        state = TrainState(
+        state = state.replace(
             learner=learner,
             buffer=buffer,
             env_state=env_state,
             obs=obs,
-            key=key,
             env_steps=state.env_steps + num_envs,
         )
-        log = IterationLog(
-            episode_ended=info["returned_episode"],
-            episode_return=info["episode_return"],
-            episode_length=info["episode_length"],
-            learning=learning,
-            losses=losses,
+        episodes = [info["returned_episode"], info["episode_return"], info["episode_length"]]
+        totals = Totals(
+            episodes=totals.episodes + jnp.stack(episodes),
+            losses=totals.losses + ravel_pytree(losses)[0],
         )
-        return state, log
+        return (state, totals), None
 
     def run_chunk(state: TrainState, chunk: Array) -> tuple[TrainState, Metrics]:
         """Chunk number `chunk` (from 0): iterations_per_chunk iterations in one scan."""
         indices = chunk * iterations_per_chunk + jnp.arange(iterations_per_chunk)
-        state, log = jax.lax.scan(iteration, state, indices)
+        updates_before = state.learner.updates
+        zero_losses, unravel_losses = ravel_pytree(no_losses)
+        totals = Totals(episodes=jnp.zeros((3, num_envs)), losses=zero_losses)
+        (state, totals), _ = jax.lax.scan(iteration, (state, totals), indices)
+        episodes, episode_return, episode_length = jnp.sum(totals.episodes, axis=1)
+        updating = (state.learner.updates - updates_before) / config.updates_per_step
+        mean_losses = unravel_losses(totals.losses / updating)  # NaN where there was no update
         params = jax.tree.leaves(trained_params(state))
         metrics = Metrics(
             env_steps=state.env_steps,
             updates=state.learner.updates,
-            episode_return=masked_mean(log.episode_return, log.episode_ended),
-            episode_length=masked_mean(log.episode_length, log.episode_ended),
-            critic_loss=masked_mean(log.losses.critic_loss, log.learning),
-            actor_loss=masked_mean(log.losses.actor_loss, log.learning),
-            alpha=masked_mean(log.losses.alpha, log.learning),
-            q_mean=masked_mean(log.losses.q_mean, log.learning),
-            entropy=masked_mean(log.losses.entropy, log.learning),
+            episode_return=episode_return / episodes,  # NaN where no episode ended
+            episode_length=episode_length / episodes,
+            **dataclasses.asdict(mean_losses),
             params_finite=jnp.all(jnp.array([jnp.isfinite(x).all() for x in params])),
         )
         return state, metrics
@@ -578,12 +597,11 @@ GIF_ENVS = 3  # envs side by side in policy.gif
 def make_deterministic_policy(config: Config):
     """(env, env_params, act(params, obs) -> the actor's mean action, squashed into the bounds)."""
     env, env_params = make_env(config)
-    action_scale, action_offset = action_bounds(env, env_params)
-    actor = Actor(config.hidden_sizes, env.action_space(env_params).shape[0])
+    agent = make_agent(config)
 
     def act(params: Params, obs: Array) -> Array:
-        mean, _ = actor.apply(params["actor"], obs)
-        return action_offset + action_scale * jnp.tanh(mean)
+        mean, _ = agent.actor.apply(agent.unravel_actor(params["actor"]), obs)
+        return agent.action_offset + agent.action_scale * jnp.tanh(mean)
 
     return env, env_params, act
 
@@ -663,6 +681,7 @@ from typing import Annotated, NamedTuple, get_type_hints
 import flax.serialization
 import numpy as np
 import tyro
+from flax.traverse_util import flatten_dict
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -975,22 +994,39 @@ def space_shapes(config: Config) -> tuple:
     return env.observation_space(env_params).shape, actions.shape, getattr(actions, "n", None)
 
 
+def difference(payload: dict, layout: dict, runs: int) -> str | None:
+    """The first entry where the file's trees (leading run axis) differ from one run's layout."""
+    if missing := [name for name in layout if name not in payload]:
+        return f"{missing[0]} is absent in the file"
+    saved = flatten_dict({name: payload[name] for name in layout}, sep=".")
+    ours = flatten_dict(flax.serialization.to_state_dict(layout), sep=".")
+    saved = {name: np.shape(x) for name, x in saved.items() if x is not None}
+    ours = {name: (runs, *x.shape) for name, x in ours.items() if x is not None}
+    for name in sorted(saved.keys() | ours.keys()):
+        if saved.get(name) != ours.get(name):
+            return f"{name} is {saved.get(name, 'absent')} in the file, {ours.get(name)} here"
+    return None
+
+
 def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Config, dict]:
     """(the checkpoint's config, its contents). Config flags typed here are refused, except with
     --load-model the env's (a robustness check) where they keep the obs and action shapes."""
     flag = "--resume" if options.resume else "--load-model"
     try:
         payload = flax.serialization.msgpack_restore(path.read_bytes())
-        if payload["script"] == SCRIPT:
-            saved = json.loads(payload["config"])
-            saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
-            saved = Config(**saved | {"env": EnvConfig(**saved["env"])})
+        saved = json.loads(payload["config"])
     except Exception as error:  # whatever is wrong with the file, it is the same user error
         reason = getattr(error, "strerror", None) or "not a model or checkpoint file"
         raise UsageError(f"{flag} {path} is not a checkpoint of {SCRIPT} ({reason})") from None
     if payload["script"] != SCRIPT:
         found = f"a {payload['script']} checkpoint for {payload['env']}"
         raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
+    env = saved.pop("env")
+    unknown = ", ".join(sorted({*saved, *(f"env.{name}" for name in env)} - flat(config).keys()))
+    if unknown:  # (a field it lacks takes this script's default)
+        raise UsageError(f"{flag} {path}: its config has {unknown}, which this {SCRIPT} has not")
+    saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
+    saved = Config(**saved, env=EnvConfig(**env))
     given = {name: value for name, value in flat(config).items() if name in options.typed}
     physics = {name: value for name, value in given.items() if name.startswith("env.")}
     physics = physics if flag == "--load-model" else {}
@@ -1003,6 +1039,11 @@ def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Confi
         flags = " ".join(f"--{name.replace('_', '-')}" for name in physics)
         raise UsageError(f"{flags} with --load-model must keep the obs and action shapes")
     validate(saved)  # the checkpoint's values meet this script's ranges too
+    layout = jax.eval_shape(make_train(saved)[0], jax.random.PRNGKey(0))  # one run's
+    ours = {"params": trained_params(layout)} | ({"state": layout} if options.resume else {})
+    found = difference(payload, ours, len(payload["runs"]))
+    if found:  # a file of an older version, or of another copy
+        raise UsageError(f"{flag} {path} does not fit this {SCRIPT}: {found}")
     return saved, payload
 
 
@@ -1264,15 +1305,9 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
     sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
     keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
-    if options.resume:  # the saved train state, checked against the layout init makes
+    if options.resume:  # the saved train state (load_checkpoint checked it) as init makes it
         layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys.train)
-        try:
-            state = flax.serialization.from_state_dict(layout, saved["state"])
-        except (KeyError, ValueError, TypeError):
-            state = None
-        if state is None or jax.tree.map(np.shape, state) != jax.tree.map(np.shape, layout):
-            raise UsageError(f"--resume {path} holds no train state of this run")
-        saved["state"] = state
+        saved["state"] = flax.serialization.from_state_dict(layout, saved["state"])
     out = path.parent if options.resume else Path(options.output_dir or "runs")
     if is_lead():  # process 0 writes every output
         try:

@@ -154,7 +154,7 @@ def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
     status, _, stderr = in_process(ppo_cartpole, "--resume", str(folder))
     assert status == 2 and "is a sac_pendulum checkpoint" in stderr
     result = run("sac_pendulum", ["--resume", str(tmp_path / "model_only")], check=2)
-    assert "holds no train state of this run" in result.stderr
+    assert "does not fit this sac_pendulum: state is absent in the file" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")} == before
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import XLA_DEFAULT, forced_cpu_devices, in_process, run_script
+from test_sac_pendulum import stored
 
 import sac_cartpole as sac
 
@@ -121,7 +122,7 @@ def test_stored_episode_ends_terminate_only_off_the_track(two_seed_run):
     observation (one Euler step on from obs), not the next episode's first."""
     _, _, (state, _) = two_seed_run
     data = jax.tree.map(
-        lambda x: np.asarray(x[0]).reshape(-1, TINY.num_envs, *x.shape[2:]), state.buffer.data
+        lambda x: x[0].reshape(-1, TINY.num_envs, *x.shape[2:]), stored(state.buffer)
     )
     assert int(state.buffer.size[0]) == TINY.total_timesteps == TINY.buffer_size  # all, in order
     off_track = np.abs(data.next_obs[..., 0]) > TINY.env.x_threshold
@@ -214,10 +215,8 @@ def test_evaluation_and_gif_start_from_other_states_than_training():
 
 def no_force_params(config: sac.Config) -> dict:
     """An actor whose every parameter is 0: its mean action is tanh(0) = 0, no force."""
-    env, env_params = sac.make_env(config)
-    obs = jnp.zeros((1, env.observation_space(env_params).shape[0]))
-    actor = sac.Actor(config.hidden_sizes, 1).init(jax.random.key(0), obs)
-    return {"actor": jax.tree.map(jnp.zeros_like, actor)}
+    actor = jax.eval_shape(sac.make_train(config)[0], jax.random.key(0)).learner.actor_params
+    return {"actor": jnp.zeros(actor.shape)}  # the actor's parameter vector
 
 
 @pytest.mark.parametrize(
@@ -522,7 +521,7 @@ def test_policy_and_q_rates_are_separate_and_no_autotune_fixes_alpha():
     init, _, train = sac.make_train(config)
     start = jax.jit(init)(jax.random.key(1))
     state, metrics = jax.jit(train)(jax.random.key(1))
-    chex.assert_trees_all_equal(state.learner.critic_params, start.learner.critic_params)
+    chex.assert_trees_all_equal(state.learner.critics[0], start.learner.critics[0])
     assert not np.allclose(
         jax.flatten_util.ravel_pytree(state.learner.actor_params)[0],
         jax.flatten_util.ravel_pytree(start.learner.actor_params)[0],
@@ -535,8 +534,8 @@ def test_policy_and_q_rates_are_separate_and_no_autotune_fixes_alpha():
     state, _ = jax.jit(sac.make_train(config)[2])(jax.random.key(1))
     chex.assert_trees_all_equal(state.learner.actor_params, start.learner.actor_params)
     assert not np.allclose(
-        jax.flatten_util.ravel_pytree(state.learner.critic_params)[0],
-        jax.flatten_util.ravel_pytree(start.learner.critic_params)[0],
+        jax.flatten_util.ravel_pytree(state.learner.critics[0])[0],
+        jax.flatten_util.ravel_pytree(start.learner.critics[0])[0],
     )
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import chex
 import flax.serialization
@@ -72,6 +73,20 @@ def transitions(rewards, obs_dim=3, action_dim=1) -> sac.Transition:
     )
 
 
+def stored(buffer: sac.Buffer) -> sac.Transition:
+    """Every slot of the buffer, its rows read in the layout buffer_add writes (obs, action,
+    reward, next_obs, terminated side by side)."""
+    rows, obs_dim = np.asarray(buffer.rows), buffer.obs_dim
+    action_end = rows.shape[-1] - obs_dim - 2
+    return sac.Transition(
+        obs=rows[..., :obs_dim],
+        action=rows[..., obs_dim:action_end],
+        reward=rows[..., action_end],
+        next_obs=rows[..., action_end + 1 : -1],
+        terminated=rows[..., -1],
+    )
+
+
 # ---- replay buffer ----
 
 
@@ -82,9 +97,12 @@ def test_buffer_add_wraps_around():
     assert (int(buffer.position), int(buffer.size)) == (3, 3)
     buffer = add(buffer, transitions([4, 5, 6]))  # 6 goes to slot 0
     assert (int(buffer.position), int(buffer.size)) == (1, 5)
-    np.testing.assert_array_equal(buffer.data.reward, [6, 2, 3, 4, 5])
-    np.testing.assert_array_equal(buffer.data.obs[:, 0], [6, 2, 3, 4, 5])
-    np.testing.assert_array_equal(buffer.data.next_obs[:, 2], [6.5, 2.5, 3.5, 4.5, 5.5])
+    data = stored(buffer)
+    np.testing.assert_array_equal(data.reward, [6, 2, 3, 4, 5])
+    np.testing.assert_array_equal(data.obs[:, 0], [6, 2, 3, 4, 5])
+    np.testing.assert_array_equal(data.action[:, 0], [6, 2, 3, 4, 5])
+    np.testing.assert_array_equal(data.next_obs[:, 2], [6.5, 2.5, 3.5, 4.5, 5.5])
+    np.testing.assert_array_equal(data.terminated, 0.0)
 
 
 def test_buffer_samples_only_filled_slots_and_all_of_them():
@@ -97,6 +115,10 @@ def test_buffer_samples_only_filled_slots_and_all_of_them():
         [batch.obs, batch.next_obs, batch.action, batch.reward, batch.terminated],
         [(2000, 3), (2000, 3), (2000, 1), (2000,), (2000,)],
     )
+    # every field of a sampled transition comes from the same slot (one row, unpacked)
+    np.testing.assert_array_equal(batch.obs[:, 0], batch.reward)
+    np.testing.assert_array_equal(batch.action[:, 0], batch.reward)
+    np.testing.assert_array_equal(batch.next_obs[:, 2], batch.reward + 0.5)
     counts = np.bincount(np.asarray(batch.reward, int), minlength=11)
     assert counts[0] == 0 and counts.sum() == 2000  # the 90 empty (zero) slots are never drawn
     assert counts[1:].min() > 140 and counts[1:].max() < 260  # about 200 each
@@ -106,10 +128,8 @@ def test_buffer_add_is_donated_not_copied():
     add = jax.jit(sac.buffer_add, donate_argnums=0)
     buffer = sac.buffer_init(capacity=1000, obs_dim=3, action_dim=1)
     new = add(buffer, transitions([1.0, 2.0]))
-    assert (
-        buffer.data.obs.is_deleted()
-    )  # the input was given to the call, which updated it in place
-    np.testing.assert_array_equal(new.data.reward[:3], [1, 2, 0])
+    assert buffer.rows.is_deleted()  # the input was given to the call, which updated it in place
+    np.testing.assert_array_equal(stored(new).reward[:3], [1, 2, 0])
 
 
 # ---- losses ----
@@ -127,38 +147,62 @@ def test_td_target_by_hand():
 
 
 def linear_q_values(params, obs, action):
-    """Twin 'critics' Q_i = w_i * (sum(obs) + action), easy to differentiate by hand."""
-    return params["w"][:, None] * (obs.sum(-1) + action[:, 0])[None, :]
+    """Twin 'critics' Q_i = w_i * (sum(obs) + action), easy to differentiate by hand: params
+    [..., 2] (a pair per leading index, as Agent.q_values), obs and action [..., batch, dim]."""
+    features = obs.sum(-1) + action[..., 0]
+    return params[..., :, None] * features[..., None, :]
+
+
+def stand_in_agent(policy=None, gamma=0.9):
+    """What the losses read of an Agent: its policy, its q_values and its config's gamma."""
+    config = dataclasses.replace(TINY, gamma=gamma)
+    return SimpleNamespace(policy=policy, q_values=linear_q_values, config=config)
 
 
 def test_critic_loss_by_hand():
     batch = transitions([1.0, 2.0])  # obs rows sum to 3 and 6, actions 1 and 2: features 4 and 8
-    params = {"w": jnp.array([1.0, 0.5])}
-    target = jnp.array([3.0, 10.0])
-    loss, q = sac.critic_loss(params, batch, target, linear_q_values)
-    # critic 1: q = 4, 8 -> errors 1, -2 -> mse 2.5; critic 2: q = 2, 4 -> errors -1, -6 -> mse 18.5
+    batch = batch.replace(next_obs=jnp.zeros((2, 3)), terminated=jnp.array([0.0, 1.0]))
+    critic_params, target_params = jnp.array([1.0, 0.5]), jnp.array([2.0, 3.0])
+    next_sample = (jnp.array([[1.0], [5.0]]), jnp.array([-1.0, 2.0]))  # (a', log pi(a'|s'))
+    loss, q = sac.critic_loss(
+        critic_params, target_params, batch, next_sample, 0.5, stand_in_agent(gamma=0.9)
+    )
+    # the targets at s' (features a' = 1 and 5): min(2, 3) * 1 = 2 and min(10, 15) = 10, so the TD
+    # targets are 1 + 0.9 * (2 - 0.5 * -1) = 3.25 and, terminated, 2 (no bootstrap)
+    # critic 1: q = 4, 8 -> errors 0.75, 6 -> mse 18.28125; critic 2: q = 2, 4 -> errors -1.25, 2
     np.testing.assert_allclose(q, [[4, 8], [2, 4]])
-    np.testing.assert_allclose(loss, 21.0, rtol=1e-6)
-    grad = jax.grad(lambda p: sac.critic_loss(p, batch, target, linear_q_values)[0])(params)
-    # d/dw_i mean((w_i f - t)^2) = mean(2 (w_i f - t) f): critic 1: (2*1*4 + 2*-2*8)/2 = -12
-    np.testing.assert_allclose(grad["w"], [-12.0, (2 * -1 * 4 + 2 * -6 * 8) / 2], rtol=1e-6)
+    np.testing.assert_allclose(loss, (0.75**2 + 6**2) / 2 + (1.25**2 + 2**2) / 2, rtol=1e-6)
+
+    def loss_of(critic_params, target_params):
+        agent = stand_in_agent(gamma=0.9)
+        return sac.critic_loss(critic_params, target_params, batch, next_sample, 0.5, agent)[0]
+
+    critic_grad, target_grad = jax.grad(loss_of, argnums=(0, 1))(critic_params, target_params)
+    # d/dw_i mean((w_i f - t)^2) = mean(2 (w_i f - t) f): critic 1: (2*0.75*4 + 2*6*8)/2 = 51
+    np.testing.assert_allclose(critic_grad, [51.0, (2 * -1.25 * 4 + 2 * 2 * 8) / 2], rtol=1e-6)
+    np.testing.assert_array_equal(target_grad, 0.0)  # the target is a constant of the loss
 
 
 def test_actor_and_alpha_losses_by_hand():
     def policy(params, obs, noise):  # action = m + noise, log_prob = -noise^2 (a stand-in)
         return params["m"] + noise, -(noise[:, 0] ** 2)
 
-    obs, noise = jnp.zeros((2, 3)), jnp.array([[1.0], [-2.0]])
-    critic_params = {"w": jnp.array([1.0, 3.0])}
-    loss, log_prob = sac.actor_loss(
-        {"m": jnp.array([0.5])}, critic_params, obs, noise, 0.1, policy, linear_q_values
+    batch = transitions([0.0, 0.0]).replace(next_obs=jnp.ones((2, 3)))  # s sums to 0, s' to 3
+    noise = jnp.array([[1.0], [-2.0], [0.5], [3.0]])  # the first half for s, the second for s'
+    critic_params = jnp.array([1.0, 3.0])
+    loss, (log_prob, (next_action, next_log_prob)) = sac.actor_loss(
+        {"m": jnp.array([0.5])}, critic_params, batch, noise, 0.1, stand_in_agent(policy)
     )
     # actions 1.5, -1.5; min over critics of w * a: 1.5 and -4.5; log_probs -1, -4
     np.testing.assert_allclose(log_prob, [-1.0, -4.0])
     np.testing.assert_allclose(loss, np.mean([0.1 * -1 - 1.5, 0.1 * -4 + 4.5]), rtol=1e-6)
+    # the same pass samples a' ~ pi(s') with the second half of the noise
+    np.testing.assert_allclose(next_action, [[1.0], [3.5]])
+    np.testing.assert_allclose(next_log_prob, [-0.25, -9.0])
     log_alpha = jnp.log(0.1)
-    value, grad = jax.value_and_grad(sac.alpha_loss)(log_alpha, log_prob, -1.0)
-    # -alpha * (mean log_prob + target) = -0.1 * (-2.5 - 1) = 0.35; the gradient equals the value
+    entropy = -jnp.mean(log_prob)  # 2.5
+    value, grad = jax.value_and_grad(sac.alpha_loss)(log_alpha, entropy, -1.0)
+    # alpha * (entropy - target) = 0.1 * (2.5 + 1) = 0.35; the gradient equals the value
     np.testing.assert_allclose([value, grad], [0.35, 0.35], rtol=1e-5)
 
 
@@ -226,7 +270,7 @@ def test_time_limit_transitions_bootstrap_from_the_final_observation():
     state, metrics = jax.jit(run_chunk)(
         jax.jit(init)(jax.random.key(0)), 0
     )  # 16 iterations, 4 envs
-    data = state.buffer.data
+    data = stored(state.buffer)
     obs, next_obs = (
         np.asarray(data.obs[:64]).reshape(16, 4, 3),
         np.asarray(data.next_obs[:64]).reshape(16, 4, 3),
@@ -698,7 +742,7 @@ def test_policy_and_q_rates_are_separate_and_no_autotune_fixes_alpha():
     init, _, train = sac.make_train(config)
     start = jax.jit(init)(jax.random.key(1))
     state, metrics = jax.jit(train)(jax.random.key(1))
-    chex.assert_trees_all_equal(state.learner.critic_params, start.learner.critic_params)
+    chex.assert_trees_all_equal(state.learner.critics[0], start.learner.critics[0])
     assert not np.allclose(
         jax.flatten_util.ravel_pytree(state.learner.actor_params)[0],
         jax.flatten_util.ravel_pytree(start.learner.actor_params)[0],
