@@ -202,33 +202,30 @@ class Buffer:
     terminated side by side), so that storing and sampling are one operation, not one per field."""
 
     rows: Array  # [capacity, 2 obs_dim + action_dim + 2]
-    position: Array  # int32, the next slot to write
-    size: Array  # int32, how many slots hold data
+    added: Array  # int32, transitions written so far: the next goes to slot added % capacity
     obs_dim: int = struct.field(pytree_node=False)
 
 
 def buffer_init(capacity: int, obs_dim: int, action_dim: int) -> Buffer:
     rows = jnp.zeros((capacity, 2 * obs_dim + action_dim + 2))
-    return Buffer(rows=rows, position=jnp.int32(0), size=jnp.int32(0), obs_dim=obs_dim)
+    return Buffer(rows=rows, added=jnp.int32(0), obs_dim=obs_dim)
 
 
 def buffer_add(buffer: Buffer, transitions: Transition) -> Buffer:
     """Write one step's transitions (leading axis num_envs <= capacity) at once, wrapping around."""
     capacity = buffer.rows.shape[0]
     count = transitions.reward.shape[0]
-    slots = (buffer.position + jnp.arange(count)) % capacity
+    slots = (buffer.added + jnp.arange(count)) % capacity
     fields = [transitions.obs, transitions.action, transitions.reward[:, None]]
     rows = jnp.concatenate([*fields, transitions.next_obs, transitions.terminated[:, None]], axis=1)
-    return buffer.replace(
-        rows=buffer.rows.at[slots].set(rows, unique_indices=True),
-        position=(buffer.position + count) % capacity,
-        size=jnp.minimum(buffer.size + count, capacity),
-    )
+    stored = buffer.rows.at[slots].set(rows, unique_indices=True)
+    return buffer.replace(rows=stored, added=buffer.added + count)
 
 
 def buffer_sample(buffer: Buffer, key: PRNGKey, batch_size: int) -> Transition:
     """A uniform batch from the filled slots only."""
-    rows = buffer.rows[jax.random.randint(key, (batch_size,), 0, buffer.size)]
+    filled = jnp.minimum(buffer.added, len(buffer.rows))
+    rows = buffer.rows[jax.random.randint(key, (batch_size,), 0, filled)]
     obs_end, action_end = buffer.obs_dim, rows.shape[1] - buffer.obs_dim - 2
     return Transition(
         obs=rows[:, :obs_end],
@@ -244,15 +241,12 @@ def buffer_sample(buffer: Buffer, key: PRNGKey, batch_size: int) -> Transition:
 
 @struct.dataclass
 class Learner:
-    """What a gradient update changes. A network's parameters are one vector (unraveler)."""
+    """What a gradient update changes: every parameter in one vector (`Agent.unravel`), so that
+    one Adam step and one Polyak step move them all (docs/sac.md, "The loop")."""
 
-    actor_params: Array  # [actor_size]
-    critics: Array  # [2, critic_size]: the twin critics' parameters, then their Polyak targets'
-    log_alpha: Array  # the temperature, log-parameterised so that it stays positive
-    actor_opt_state: optax.OptState
-    critic_opt_state: optax.OptState
-    alpha_opt_state: optax.OptState
-    updates: Array  # int32, gradient updates done
+    params: Array  # the actor's, the twin critics' and log(alpha), the temperature
+    target_critics: Array  # the twin critics' Polyak-averaged copy, as a vector
+    opt_state: optax.OptState
 
 
 @struct.dataclass
@@ -300,10 +294,9 @@ class Metrics:
     params_finite: Array  # False once any parameter is NaN or inf
 
 
-def trained_params(state: TrainState) -> Params:
-    """What a checkpoint keeps and the evaluation reads: each network's parameter vector."""
-    learner = state.learner
-    return dict(actor=learner.actor_params, critics=learner.critics, log_alpha=learner.log_alpha)
+def trained_params(state: TrainState) -> Array:
+    """What a checkpoint keeps and the evaluation reads: the parameter vector."""
+    return state.learner.params
 
 
 def td_target(
@@ -316,32 +309,28 @@ def td_target(
 
 
 def critic_loss(
-    critic_params: Array, target_params: Array, batch: Transition, next_sample: tuple, alpha, agent
+    critic_params: Params, batch: Transition, target: Array, q_values: Callable
 ) -> tuple[Array, Array]:
-    """Sum over the twin critics of the mean squared error to the soft TD target (CleanRL); the
-    critics at (s, a) and their targets at next_sample = (a', log pi(a'|s')) in one pass."""
-    next_action, next_log_prob = next_sample
-    q, next_q = agent.q_values(
-        jnp.stack([critic_params, target_params]),  # the targets: not differentiated
-        jnp.stack([batch.obs, batch.next_obs]),
-        jnp.stack([batch.action, next_action]),
-    )
-    target = td_target(batch, next_q, next_log_prob, alpha, agent.config.gamma)
+    """Sum over the twin critics (q_values -> [2, batch]) of the mean squared TD error (CleanRL)."""
+    q = q_values(critic_params, batch.obs, batch.action)
+    chex.assert_shape(q, (2, *target.shape))
     return jnp.sum(jnp.mean((q - jax.lax.stop_gradient(target)) ** 2, axis=1)), q
 
 
 def actor_loss(
-    actor_params: Array, critic_params: Array, batch: Transition, noise: Array, alpha, agent
-) -> tuple[Array, tuple]:
-    """E[alpha * log pi(a|s) - min_i Q_i(s, a)], a reparameterised with noise's first half; the
-    same pass samples (a', log pi(a'|s')) with its second half for the critics' target."""
-    obs = jnp.concatenate([batch.obs, batch.next_obs])
-    actions, log_probs = agent.policy(actor_params, obs, noise)
-    action, next_action = jnp.split(actions, 2)
-    log_prob, next_log_prob = jnp.split(log_probs, 2)
-    q = jnp.min(agent.q_values(critic_params, batch.obs, action), axis=0)
+    actor_params: Params,
+    critic_params: Params,
+    obs: Array,
+    noise: Array,
+    alpha: Array,
+    policy: Callable,
+    q_values: Callable,
+) -> tuple[Array, Array]:
+    """E[alpha * log pi(a|s) - min_i Q_i(s, a)], a = policy(params, s, noise) reparameterised."""
+    action, log_prob = policy(actor_params, obs, noise)
+    q = jnp.min(q_values(critic_params, obs, action), axis=0)
     chex.assert_equal_shape([q, log_prob])
-    return jnp.mean(alpha * log_prob - q), (log_prob, (next_action, next_log_prob))
+    return jnp.mean(alpha * log_prob - q), log_prob
 
 
 def alpha_loss(log_alpha: Array, entropy: Array, target_entropy: float) -> Array:
@@ -354,128 +343,117 @@ def alpha_loss(log_alpha: Array, entropy: Array, target_entropy: float) -> Array
 
 @dataclasses.dataclass(frozen=True)
 class Agent:
-    """What make_agent builds once and the update steps read: the networks, how to unravel their
-    parameter vectors, the optimisers and the action bounds; the train state holds the rest."""
+    """What make_agent builds once and the update reads: the networks, how to unravel the
+    parameter vector, the optimiser and the action bounds; the train state holds the rest."""
 
     config: Config
     actor: Actor
     critic: Critic
-    unravel_actor: Callable[[Array], Params]
-    unravel_critics: Callable[[Array], Params]  # a twin pair's vector -> leaves [2, ...]
-    actor_optimizer: optax.GradientTransformation
-    critic_optimizer: optax.GradientTransformation
-    alpha_optimizer: optax.GradientTransformation
+    unravel: Callable[[Array], dict]  # params -> {"actor": ..., "critics": ..., "log_alpha": ...}
+    unravel_critics: Callable[[Array], Params]  # the twin critics' part -> their parameters
+    critic_part: slice  # where the twin critics' parameters sit in the vector
+    optimizer: optax.GradientTransformation
     action_scale: Array
     action_offset: Array
     target_entropy: float
 
-    def policy(self, actor_params: Array, obs: Array, noise: Array) -> tuple[Array, Array]:
-        mean, log_std = self.actor.apply(self.unravel_actor(actor_params), obs)
+    def policy(self, actor_params: Params, obs: Array, noise: Array) -> tuple[Array, Array]:
+        mean, log_std = self.actor.apply(actor_params, obs)
         return squashed_gaussian_sample(mean, log_std, noise, self.action_scale, self.action_offset)
 
-    def q_values(self, critic_params: Array, obs: Array, action: Array) -> Array:
-        """Q [..., 2, batch] of the twin critics (critic_params [..., critic_size]) at obs and
-        action [..., batch, dim]; the pairs of a leading axis, each at its own inputs, are one
-        batch of critics (the critics and their targets in one pass: docs/sac.md)."""
-        pairs = jax.vmap(self.unravel_critics)(critic_params.reshape(-1, critic_params.shape[-1]))
-        params = jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), pairs)
-        inputs = [jnp.repeat(x.reshape(-1, *x.shape[-2:]), 2, axis=0) for x in (obs, action)]
-        q = jax.vmap(self.critic.apply)(params, *inputs)  # [2 x pairs, batch]
-        return q.reshape(*critic_params.shape[:-1], 2, -1)
+    def q_values(self, critic_params: Params, obs: Array, action: Array) -> Array:
+        """[2, batch]: the twin critics' Q. Each critic gets its own copy of the inputs: one
+        batched matrix multiply a layer for the pair, no transposed copy of their weights."""
+        inputs = [jnp.broadcast_to(x, (2, *x.shape)) for x in (obs, action)]
+        return jax.vmap(self.critic.apply)(critic_params, *inputs)
 
 
 def make_agent(config: Config) -> Agent:
     env, env_params = make_env(config)
     space = env.action_space(env_params)  # gymnax's own boxes have Python floats as bounds
-    action_dim = space.shape[0]
     obs = jax.ShapeDtypeStruct((1, *env.observation_space(env_params).shape), jnp.float32)
-    action = jax.ShapeDtypeStruct((1, action_dim), jnp.float32)
-    actor = Actor(config.hidden_sizes, action_dim)
+    action = jax.ShapeDtypeStruct((1, space.shape[0]), jnp.float32)
+    actor = Actor(config.hidden_sizes, space.shape[0])
     critic = Critic(config.hidden_sizes)
     twin_critics = jax.vmap(critic.init, in_axes=(0, None, None))
     key = jax.random.key(0)  # for the parameters' shapes
-    # Clipping, if asked for, is by the global norm, as the flag's name says.
+    shapes = {
+        "actor": jax.eval_shape(actor.init, key, obs),
+        "critics": jax.eval_shape(twin_critics, jnp.stack([key, key]), obs, action),
+        "log_alpha": jax.ShapeDtypeStruct((), jnp.float32),
+    }
+    sizes = [sum(leaf.size for leaf in jax.tree.leaves(shapes[part])) for part in shapes]
+    # One Adam for every parameter (Adam acts element by element: the three networks' Adams in
+    # one operation), each part at its rate: the actor's --policy-lr, the critics' and alpha's
+    # --q-lr (CleanRL's split). Clipping, if asked for, is by the global norm of the update.
+    rates = [config.policy_lr, config.q_lr, config.q_lr]
+    rates = [jnp.full(size, rate) for size, rate in zip(sizes, rates, strict=True)]
     clip = [] if config.max_grad_norm is None else [optax.clip_by_global_norm(config.max_grad_norm)]
     return Agent(
         config=config,
         actor=actor,
         critic=critic,
-        unravel_actor=unraveler(jax.eval_shape(actor.init, key, obs)),
-        unravel_critics=unraveler(jax.eval_shape(twin_critics, jnp.stack([key, key]), obs, action)),
-        actor_optimizer=optax.chain(*clip, optax.adam(config.policy_lr)),
-        critic_optimizer=optax.chain(*clip, optax.adam(config.q_lr)),
-        alpha_optimizer=optax.adam(config.q_lr),
+        unravel=unraveler(shapes),
+        unravel_critics=unraveler(shapes["critics"]),
+        critic_part=slice(sizes[0], sizes[0] + sizes[1]),
+        optimizer=optax.chain(*clip, optax.scale_by_adam(), optax.scale(-jnp.concatenate(rates))),
         action_scale=jnp.broadcast_to((space.high - space.low) / 2, space.shape),  # tanh's (-1, 1)
         action_offset=jnp.broadcast_to((space.high + space.low) / 2, space.shape),  # to the box
-        target_entropy=-action_dim if config.target_entropy is None else config.target_entropy,
+        target_entropy=-space.shape[0] if config.target_entropy is None else config.target_entropy,
     )
 
 
-def adam_step(optimizer: optax.GradientTransformation, grads, opt_state, params):
-    """(params, opt_state) after one step of the optimiser."""
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+def sac_loss(
+    params: Array, target_critics: Array, batch: Transition, noise: Array, agent: Agent
+) -> tuple[Array, Losses]:
+    """The critics', the actor's and the temperature's losses at the networks as the update found
+    them, each differentiated in its own parameters only: their sum's gradient is the three
+    gradients at once (the SAC authors' update; CleanRL steps the critics before the actor)."""
+    parts = agent.unravel(params)
+    fixed = jax.lax.stop_gradient
+    alpha = jnp.exp(parts["log_alpha"])
 
+    # CRITICS: towards the soft TD target of a' ~ pi(s') and the target critics
+    next_action, next_log_prob = agent.policy(fixed(parts["actor"]), batch.next_obs, noise[1])
+    target_critics = agent.unravel_critics(target_critics)
+    next_q = agent.q_values(target_critics, batch.next_obs, next_action)
+    target = td_target(batch, next_q, next_log_prob, fixed(alpha), agent.config.gamma)
+    critic, q = critic_loss(parts["critics"], batch, target, agent.q_values)
 
-def update_actor(agent: Agent, learner: Learner, batch: Transition, noise: Array, alpha: Array):
-    """A gradient step on the actor, against the critics before their own step."""
-    loss_grad = jax.value_and_grad(actor_loss, has_aux=True)
-    (loss, (log_prob, next_sample)), grads = loss_grad(
-        learner.actor_params, learner.critics[0], batch, noise, alpha, agent
+    # ACTOR: against the critics, held fixed
+    actor, log_prob = actor_loss(
+        parts["actor"],
+        fixed(parts["critics"]),
+        batch.obs,
+        noise[0],
+        fixed(alpha),
+        agent.policy,
+        agent.q_values,
     )
-    actor_params, opt_state = adam_step(
-        agent.actor_optimizer, grads, learner.actor_opt_state, learner.actor_params
+
+    # TEMPERATURE: towards the target entropy (with --autotune; else alpha stays)
+    entropy = -jnp.mean(fixed(log_prob))
+    temperature = alpha_loss(parts["log_alpha"], entropy, agent.target_entropy)
+    temperature = temperature if agent.config.autotune else 0.0
+    losses = Losses(
+        critic_loss=critic, actor_loss=actor, alpha=alpha, q_mean=jnp.mean(q), entropy=entropy
     )
-    learner = learner.replace(actor_params=actor_params, actor_opt_state=opt_state)
-    return learner, loss, log_prob, next_sample
-
-
-def update_critics(agent: Agent, learner: Learner, batch: Transition, next_sample, alpha: Array):
-    """A gradient step on the twin critics towards the soft TD target; Polyak targets."""
-    critic_params, target_params = learner.critics
-    loss_grad = jax.value_and_grad(critic_loss, has_aux=True)
-    (loss, q), grads = loss_grad(critic_params, target_params, batch, next_sample, alpha, agent)
-    critic_params, opt_state = adam_step(
-        agent.critic_optimizer, grads, learner.critic_opt_state, critic_params
-    )
-    target_params = optax.incremental_update(critic_params, target_params, agent.config.tau)
-    critics = jnp.stack([critic_params, target_params])
-    return learner.replace(critics=critics, critic_opt_state=opt_state), loss, q
-
-
-def update_temperature(agent: Agent, learner: Learner, entropy: Array) -> Learner:
-    """A gradient step on log(alpha) towards the target entropy (with --autotune)."""
-    grad = jax.grad(alpha_loss)(learner.log_alpha, entropy, agent.target_entropy)
-    log_alpha, opt_state = adam_step(
-        agent.alpha_optimizer, grad, learner.alpha_opt_state, learner.log_alpha
-    )
-    return learner.replace(log_alpha=log_alpha, alpha_opt_state=opt_state)
+    return critic + actor + temperature, losses
 
 
 def update(agent: Agent, buffer: Buffer, learner: Learner, keys: tuple) -> tuple[Learner, Losses]:
-    """One SAC update on a batch from the buffer: the actor, the critics and their targets, the
-    temperature, each from the networks as the update found them, as the SAC authors' code does
-    (CleanRL steps the critics first): one actor pass then serves both (docs/sac.md)."""
+    """One SAC update on a batch from the buffer: one gradient, one Adam step for every
+    parameter, then the Polyak step of the target critics. keys: the batch's and the noise's."""
     key_batch, key_noise = keys
     batch = buffer_sample(buffer, key_batch, agent.config.batch_size)
-    noise = jax.random.normal(key_noise, (2 * len(batch.action), batch.action.shape[1]))
-    alpha = jnp.exp(learner.log_alpha)
-    learner, actor_loss_value, log_prob, next_sample = update_actor(
-        agent, learner, batch, noise, alpha
-    )
-    learner, critic_loss_value, q = update_critics(agent, learner, batch, next_sample, alpha)
-    entropy = -jnp.mean(log_prob)
-    if agent.config.autotune:
-        learner = update_temperature(agent, learner, entropy)
-    learner = learner.replace(updates=learner.updates + 1)
-    losses = Losses(
-        critic_loss=critic_loss_value,
-        actor_loss=actor_loss_value,
-        alpha=alpha,
-        q_mean=jnp.mean(q),
-        entropy=entropy,
-    )
-    return learner, losses
+    noise = jax.random.normal(key_noise, (2, *batch.action.shape))  # for the actor at s and s'
+    loss_grad = jax.value_and_grad(sac_loss, has_aux=True)
+    (_, losses), grads = loss_grad(learner.params, learner.target_critics, batch, noise, agent)
+    updates, opt_state = agent.optimizer.update(grads, learner.opt_state, learner.params)
+    params = optax.apply_updates(learner.params, updates)
+    critics = params[agent.critic_part]
+    target_critics = optax.incremental_update(critics, learner.target_critics, agent.config.tau)
+    return Learner(params=params, target_critics=target_critics, opt_state=opt_state), losses
 
 
 def make_train(config: Config):
@@ -489,29 +467,26 @@ def make_train(config: Config):
     num_envs = config.num_envs
     step_envs = jax.vmap(env.step, in_axes=(0, 0, 0, None))
     agent = make_agent(config)
-    zero = jnp.float32(0.0)
-    no_losses = Losses(critic_loss=zero, actor_loss=zero, alpha=zero, q_mean=zero, entropy=zero)
+    warm_up = math.ceil(config.learning_starts / num_envs)  # iterations before the first update
 
     def init(key: PRNGKey) -> TrainState:
-        """Fresh networks, optimisers and envs, and an empty buffer."""
+        """Fresh networks, optimiser and envs, and an empty buffer."""
         key_actor, key_critics, key_envs, key_loop = jax.random.split(key, 4)
         reset_envs = jax.vmap(env.reset, in_axes=(0, None))
         obs, env_state = reset_envs(jax.random.split(key_envs, num_envs), env_params)
-        actor_params = ravel_pytree(agent.actor.init(key_actor, obs))[0]
         twin_critics_init = jax.vmap(agent.critic.init, in_axes=(0, None, None))
         twin_keys = jax.random.split(key_critics, 2)
-        twin_critics = twin_critics_init(twin_keys, obs, jnp.zeros((num_envs, action_dim)))
-        critic_params = ravel_pytree(twin_critics)[0]
-        # alpha = 1 at the start when tuned, as in CleanRL
-        log_alpha = jnp.log(jnp.float32(1.0 if config.autotune else config.alpha))
+        parts = {
+            "actor": agent.actor.init(key_actor, obs),
+            "critics": twin_critics_init(twin_keys, obs, jnp.zeros((num_envs, action_dim))),
+            # alpha = 1 at the start when tuned, as in CleanRL
+            "log_alpha": jnp.log(jnp.float32(1.0 if config.autotune else config.alpha)),
+        }
+        params = ravel_pytree(parts)[0]
         learner = Learner(
-            actor_params=actor_params,
-            critics=jnp.stack([critic_params, critic_params]),  # the targets start equal
-            log_alpha=log_alpha,
-            actor_opt_state=agent.actor_optimizer.init(actor_params),
-            critic_opt_state=agent.critic_optimizer.init(critic_params),
-            alpha_opt_state=agent.alpha_optimizer.init(log_alpha),
-            updates=jnp.int32(0),
+            params=params,
+            target_critics=params[agent.critic_part],
+            opt_state=agent.optimizer.init(params),
         )
         return TrainState(
             learner=learner,
@@ -530,21 +505,17 @@ def make_train(config: Config):
         learner, losses = jax.lax.scan(functools.partial(update, agent, buffer), learner, keys)
         return learner, jax.tree.map(jnp.mean, losses)
 
-    def wait(learner: Learner, buffer: Buffer, keys: tuple) -> tuple[Learner, Losses]:
-        return learner, no_losses  # during the warm-up (zero losses leave the sums as they are)
-
     def iteration(carry: tuple[TrainState, Totals], index: Array):
-        """Step every env, store the transitions, then update once past the warm-up. `index`
-        (iterations so far) comes from the scan, not the state: equal across vmapped seeds, so
-        the warm-up's lax.cond stays a branch instead of computing both sides."""
+        """Step every env, store the transitions, then update once past the warm-up."""
         state, totals = carry
         keys = jax.random.split(jax.random.fold_in(state.key, index), 4)
         key_action, key_envs, key_batch, key_noise = keys
-        learning = index * num_envs >= config.learning_starts
+        learning = index >= warm_up
 
         # COLLECT: the policy's actions, or uniformly random ones during the warm-up
         noise = jax.random.normal(key_action, (num_envs, action_dim))
-        policy_action, _ = agent.policy(state.learner.actor_params, state.obs, noise)
+        actor_params = agent.unravel(state.learner.params)["actor"]
+        policy_action, _ = agent.policy(actor_params, state.obs, noise)
         # erf(z / sqrt 2) of a standard normal z is uniform on (-1, 1): one draw serves both.
         uniform = jax.scipy.special.erf(noise / jnp.sqrt(2.0))
         random_action = agent.action_offset + agent.action_scale * uniform
@@ -564,10 +535,10 @@ def make_train(config: Config):
         )
         buffer = buffer_add(state.buffer, transitions)
 
-        # UPDATE NETWORKS
-        learner, losses = jax.lax.cond(
-            learning, learn, wait, state.learner, buffer, (key_batch, key_noise)
-        )
+        # UPDATE NETWORKS, in the warm-up too but then dropped: a select where a branch would
+        # cost more operations on every iteration than the warm-up's work (docs/sac.md)
+        learned, losses = learn(state.learner, buffer, (key_batch, key_noise))
+        learner = jax.tree.map(functools.partial(jnp.where, learning), learned, state.learner)
 
         state = state.replace(
             learner=learner,
@@ -579,28 +550,25 @@ def make_train(config: Config):
         episodes = [info["returned_episode"], info["episode_return"], info["episode_length"]]
         totals = Totals(
             episodes=totals.episodes + jnp.stack(episodes),
-            losses=totals.losses + ravel_pytree(losses)[0],
+            losses=totals.losses + learning * ravel_pytree(losses)[0],
         )
         return (state, totals), None
 
     def run_chunk(state: TrainState, chunk: Array) -> tuple[TrainState, Metrics]:
         """Chunk number `chunk` (from 0): iterations_per_chunk iterations in one scan."""
         indices = chunk * iterations_per_chunk + jnp.arange(iterations_per_chunk)
-        updates_before = state.learner.updates
-        zero_losses, unravel_losses = ravel_pytree(no_losses)
-        totals = Totals(episodes=jnp.zeros((3, num_envs)), losses=zero_losses)
+        totals = Totals(episodes=jnp.zeros((3, num_envs)), losses=jnp.zeros(5))
         (state, totals), _ = jax.lax.scan(iteration, (state, totals), indices)
         episodes, episode_return, episode_length = jnp.sum(totals.episodes, axis=1)
-        updating = (state.learner.updates - updates_before) / config.updates_per_step
-        mean_losses = unravel_losses(totals.losses / updating)  # NaN where there was no update
-        params = jax.tree.leaves(trained_params(state))
+        loss_sums = Losses(*totals.losses)  # in Losses' field order, as ravel_pytree wrote them
+        mean_losses = jax.tree.map(lambda total: total / jnp.sum(indices >= warm_up), loss_sums)
         metrics = Metrics(
             env_steps=state.env_steps,
-            updates=state.learner.updates,
+            updates=config.updates_per_step * jnp.maximum(indices[-1] + 1 - warm_up, 0),
             episode_return=episode_return / episodes,  # NaN where no episode ended
             episode_length=episode_length / episodes,
-            **dataclasses.asdict(mean_losses),
-            params_finite=jnp.all(jnp.array([jnp.isfinite(x).all() for x in params])),
+            **dataclasses.asdict(mean_losses),  # NaN where there was no update
+            params_finite=jnp.isfinite(state.learner.params).all(),
         )
         return state, metrics
 
@@ -622,8 +590,8 @@ def make_deterministic_policy(config: Config):
     env, env_params = make_env(config)
     agent = make_agent(config)
 
-    def act(params: Params, obs: Array) -> Array:
-        mean, _ = agent.actor.apply(agent.unravel_actor(params["actor"]), obs)
+    def act(params: Array, obs: Array) -> Array:
+        mean, _ = agent.actor.apply(agent.unravel(params)["actor"], obs)
         return agent.action_offset + agent.action_scale * jnp.tanh(mean)
 
     return env, env_params, act
