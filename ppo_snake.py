@@ -908,6 +908,11 @@ def check_options(options: Options) -> None:
         raise UsageError("--track needs tensorboardX: pip install tensorboardX")
 
 
+# The programs that run once (the seed keys, init, the evaluation, the GIF's renderer) compile with
+# LLVM at -O0: about half their compile time, for milliseconds more of running (docs/usage.md).
+RUN_ONCE = {"xla_backend_optimization_level": 0}
+
+
 def enable_compile_cache(options: Options) -> str:
     """JAX's persistent compilation cache (a rerun loads its programs); returns where it is."""
     if not options.compile_cache:  # (JAX itself still reads $JAX_COMPILATION_CACHE_DIR if set)
@@ -1015,7 +1020,7 @@ def csv_text(rows: list[dict]) -> str:
 @functools.cache
 def jitted_render(config: Config) -> tuple[Callable, float]:
     render, seconds_per_frame = make_render(config)
-    return jax.jit(render), seconds_per_frame
+    return jax.jit(render, compiler_options=RUN_ONCE), seconds_per_frame
 
 
 def render_policy(config: Config, params: Params, key: PRNGKey) -> np.ndarray | None:
@@ -1298,7 +1303,8 @@ def train_and_log(
     if saved:  # the saved state, each run's part on its device (no fresh state made first)
         state = jax.device_put(saved["state"], sharding)
     else:
-        state = jax.jit(jax.vmap(init), out_shardings=sharding)(keys.train, values)
+        init_runs = jax.jit(jax.vmap(init), out_shardings=sharding, compiler_options=RUN_ONCE)
+        state = init_runs(keys.train, values)
     run_chunks = jax.jit(
         jax.vmap(run_chunk, (0, None, 0)), out_shardings=sharding, donate_argnums=0
     )
@@ -1428,7 +1434,10 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     divides = f"such that the {num_runs} runs divide over the {len(devices)} devices"
     require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
     sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
-    keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
+    keys = jax.jit(
+        seed_keys, static_argnums=(0, 1), out_shardings=sharding, compiler_options=RUN_ONCE
+    )
+    keys = keys(config, len(grid))
     if options.resume:  # the saved train state (load_checkpoint checked it) as init makes it
         layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys.train)
         saved["state"] = flax.serialization.from_state_dict(layout, saved["state"])
@@ -1464,7 +1473,8 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     def evaluate_run(params: Params, key: PRNGKey, values: Point) -> dict[str, Array]:
         return make_evaluate(with_values(config, values), options.eval_episodes)(params, key)
 
-    evaluation = fetch(jax.jit(jax.vmap(evaluate_run))(params, keys.evaluate, values))
+    evaluate_runs = jax.jit(jax.vmap(evaluate_run), compiler_options=RUN_ONCE)
+    evaluation = fetch(evaluate_runs(params, keys.evaluate, values))
     evaluation = {name: np.mean(values, axis=1) for name, values in evaluation.items()}
     saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():

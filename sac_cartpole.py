@@ -157,9 +157,17 @@ class Critic(nn.Module):
 
 
 def unraveler(shapes: Params) -> Callable[[Array], Params]:
-    """vector -> a parameter tree of these shapes (ravel_pytree's inverse). A network lives as one
-    vector: Adam and the target update are one operation each, not one per layer (docs/sac.md)."""
-    return ravel_pytree(jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes))[1]
+    """vector -> a parameter tree of these shapes: jax.flatten_util.ravel_pytree's inverse, made
+    from the shapes alone (ravel_pytree needs arrays, which would cost a compile per shape)."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    ends = [sum(leaf.size for leaf in leaves[: index + 1]) for index in range(len(leaves))]
+
+    def unravel(vector: Array) -> Params:
+        parts = jnp.split(vector, ends[:-1])
+        shaped = [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves, strict=True)]
+        return treedef.unflatten(shaped)
+
+    return unravel
 
 
 def squashed_gaussian_log_prob(
@@ -351,11 +359,24 @@ class Agent:
     critic: Critic
     unravel: Callable[[Array], dict]  # params -> {"actor": ..., "critics": ..., "log_alpha": ...}
     unravel_critics: Callable[[Array], Params]  # the twin critics' part -> their parameters
-    critic_part: slice  # where the twin critics' parameters sit in the vector
-    optimizer: optax.GradientTransformation
+    part_sizes: tuple[int, int, int]  # the actor's, the twin critics' and log(alpha)'s
+    optimizer: optax.GradientTransformation  # Adam's scaling (step_sizes gives the rates)
     action_scale: Array
     action_offset: Array
     target_entropy: float
+
+    @property
+    def critic_part(self) -> slice:
+        """Where the twin critics' parameters sit in the vector."""
+        return slice(self.part_sizes[0], self.part_sizes[0] + self.part_sizes[1])
+
+    def step_sizes(self) -> Array:
+        """Each parameter's Adam step size: the actor's --policy-lr, the critics' and alpha's
+        --q-lr (CleanRL's split). One Adam for all is the three networks' Adams in one operation,
+        as Adam acts element by element."""
+        rates = [self.config.policy_lr, self.config.q_lr, self.config.q_lr]
+        pieces = [jnp.full(size, rate) for size, rate in zip(self.part_sizes, rates, strict=True)]
+        return jnp.concatenate(pieces)
 
     def policy(self, actor_params: Params, obs: Array, noise: Array) -> tuple[Array, Array]:
         mean, log_std = self.actor.apply(actor_params, obs)
@@ -376,18 +397,15 @@ def make_agent(config: Config) -> Agent:
     actor = Actor(config.hidden_sizes, space.shape[0])
     critic = Critic(config.hidden_sizes)
     twin_critics = jax.vmap(critic.init, in_axes=(0, None, None))
-    key = jax.random.key(0)  # for the parameters' shapes
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # a raw key's shape: for the shapes alone
+    twin_keys = jax.ShapeDtypeStruct((2, 2), jnp.uint32)
     shapes = {
         "actor": jax.eval_shape(actor.init, key, obs),
-        "critics": jax.eval_shape(twin_critics, jnp.stack([key, key]), obs, action),
+        "critics": jax.eval_shape(twin_critics, twin_keys, obs, action),
         "log_alpha": jax.ShapeDtypeStruct((), jnp.float32),
     }
     sizes = [sum(leaf.size for leaf in jax.tree.leaves(shapes[part])) for part in shapes]
-    # One Adam for every parameter (Adam acts element by element: the three networks' Adams in
-    # one operation), each part at its rate: the actor's --policy-lr, the critics' and alpha's
-    # --q-lr (CleanRL's split). Clipping, if asked for, is by the global norm of the update.
-    rates = [config.policy_lr, config.q_lr, config.q_lr]
-    rates = [jnp.full(size, rate) for size, rate in zip(sizes, rates, strict=True)]
+    # Clipping, if asked for, is by the global norm of the update's whole gradient.
     clip = [] if config.max_grad_norm is None else [optax.clip_by_global_norm(config.max_grad_norm)]
     return Agent(
         config=config,
@@ -395,8 +413,8 @@ def make_agent(config: Config) -> Agent:
         critic=critic,
         unravel=unraveler(shapes),
         unravel_critics=unraveler(shapes["critics"]),
-        critic_part=slice(sizes[0], sizes[0] + sizes[1]),
-        optimizer=optax.chain(*clip, optax.scale_by_adam(), optax.scale(-jnp.concatenate(rates))),
+        part_sizes=tuple(sizes),
+        optimizer=optax.chain(*clip, optax.scale_by_adam()),
         action_scale=jnp.broadcast_to((space.high - space.low) / 2, space.shape),  # tanh's (-1, 1)
         action_offset=jnp.broadcast_to((space.high + space.low) / 2, space.shape),  # to the box
         target_entropy=-space.shape[0] if config.target_entropy is None else config.target_entropy,
@@ -449,8 +467,8 @@ def update(agent: Agent, buffer: Buffer, learner: Learner, keys: tuple) -> tuple
     noise = jax.random.normal(key_noise, (2, *batch.action.shape))  # for the actor at s and s'
     loss_grad = jax.value_and_grad(sac_loss, has_aux=True)
     (_, losses), grads = loss_grad(learner.params, learner.target_critics, batch, noise, agent)
-    updates, opt_state = agent.optimizer.update(grads, learner.opt_state, learner.params)
-    params = optax.apply_updates(learner.params, updates)
+    updates, opt_state = agent.optimizer.update(grads, learner.opt_state)
+    params = learner.params - agent.step_sizes() * updates
     critics = params[agent.critic_part]
     target_critics = optax.incremental_update(critics, learner.target_critics, agent.config.tau)
     return Learner(params=params, target_critics=target_critics, opt_state=opt_state), losses
@@ -789,6 +807,11 @@ def check_options(options: Options) -> None:
         raise UsageError("--track needs tensorboardX: pip install tensorboardX")
 
 
+# The programs that run once (the seed keys, init, the evaluation, the GIF's renderer) compile with
+# LLVM at -O0: about half their compile time, for milliseconds more of running (docs/usage.md).
+RUN_ONCE = {"xla_backend_optimization_level": 0}
+
+
 def enable_compile_cache(options: Options) -> str:
     """JAX's persistent compilation cache (a rerun loads its programs); returns where it is."""
     if not options.compile_cache:  # (JAX itself still reads $JAX_COMPILATION_CACHE_DIR if set)
@@ -896,7 +919,7 @@ def csv_text(rows: list[dict]) -> str:
 @functools.cache
 def jitted_render(config: Config) -> tuple[Callable, float]:
     render, seconds_per_frame = make_render(config)
-    return jax.jit(render), seconds_per_frame
+    return jax.jit(render, compiler_options=RUN_ONCE), seconds_per_frame
 
 
 def render_policy(config: Config, params: Params, key: PRNGKey) -> np.ndarray | None:
@@ -1179,7 +1202,8 @@ def train_and_log(
     if saved:  # the saved state, each run's part on its device (no fresh state made first)
         state = jax.device_put(saved["state"], sharding)
     else:
-        state = jax.jit(jax.vmap(init), out_shardings=sharding)(keys.train, values)
+        init_runs = jax.jit(jax.vmap(init), out_shardings=sharding, compiler_options=RUN_ONCE)
+        state = init_runs(keys.train, values)
     run_chunks = jax.jit(
         jax.vmap(run_chunk, (0, None, 0)), out_shardings=sharding, donate_argnums=0
     )
@@ -1309,7 +1333,10 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     divides = f"such that the {num_runs} runs divide over the {len(devices)} devices"
     require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
     sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
-    keys = jax.jit(seed_keys, static_argnums=(0, 1), out_shardings=sharding)(config, len(grid))
+    keys = jax.jit(
+        seed_keys, static_argnums=(0, 1), out_shardings=sharding, compiler_options=RUN_ONCE
+    )
+    keys = keys(config, len(grid))
     if options.resume:  # the saved train state (load_checkpoint checked it) as init makes it
         layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys.train)
         saved["state"] = flax.serialization.from_state_dict(layout, saved["state"])
@@ -1345,7 +1372,8 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     def evaluate_run(params: Params, key: PRNGKey, values: Point) -> dict[str, Array]:
         return make_evaluate(with_values(config, values), options.eval_episodes)(params, key)
 
-    evaluation = fetch(jax.jit(jax.vmap(evaluate_run))(params, keys.evaluate, values))
+    evaluate_runs = jax.jit(jax.vmap(evaluate_run), compiler_options=RUN_ONCE)
+    evaluation = fetch(evaluate_runs(params, keys.evaluate, values))
     evaluation = {name: np.mean(values, axis=1) for name, values in evaluation.items()}
     saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():
