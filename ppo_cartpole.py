@@ -584,7 +584,7 @@ import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Annotated, NamedTuple, get_type_hints
+from typing import Annotated, get_type_hints
 
 import flax.serialization
 import numpy as np
@@ -592,6 +592,7 @@ import tyro
 from flax.traverse_util import flatten_dict
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from PIL import Image, ImageDraw  # matplotlib's dependency
 
 LOSS_COLUMNS = ("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac")  # checked for NaN
 METRIC_COLUMNS = ("episode_return", "episode_length", *LOSS_COLUMNS)  # fields of Metrics
@@ -678,10 +679,6 @@ def check_options(options: Options) -> None:
     cluster = (options.coordinator_address, options.num_processes, options.process_id)
     if not options.distributed and cluster != (None, None, None):
         raise UsageError("--coordinator-address, --num-processes, --process-id need --distributed")
-    processes = 2**31 if options.num_processes is None else options.num_processes
-    require(processes >= 1, "num_processes", ">= 1", options.num_processes)
-    process_ok = 0 <= (options.process_id or 0) < processes
-    require(process_ok, "process_id", "in [0, --num-processes)", options.process_id)
     host, _, port = (options.coordinator_address or "host:1").rpartition(":")
     address_ok = bool(host) and port.isdigit() and 0 < int(port) < 2**16
     require(address_ok, "coordinator_address", "HOST:PORT", options.coordinator_address)
@@ -691,7 +688,7 @@ def check_options(options: Options) -> None:
 
 # The programs that run once (the seed keys, init, the evaluation, the GIF's renderer) compile with
 # LLVM at -O0: about half their compile time, for milliseconds more of running (docs/usage.md).
-RUN_ONCE = {"xla_backend_optimization_level": 0}
+RUN_ONCE = {"compiler_options": {"xla_backend_optimization_level": 0}}  # jax.jit's
 
 
 def enable_compile_cache(options: Options) -> str:
@@ -710,14 +707,22 @@ def enable_compile_cache(options: Options) -> str:
 
 # ---- sweep grid: the runs are grid points x seeds ----
 
-# --sweep may vary the float fields (rates, coefficients, env physics): they set no shape and no
-# Python branch, so they can be traced values inside the one vmapped program.
-SWEEPABLE = tuple(
-    prefix + name
+# --sweep may vary any field but the seed's: floats (rates, coefficients, env physics) are traced
+# values, vmapped with the seeds; ints, bools and tuples of ints set a shape or a branch: each
+# distinct structure is its own vmapped part of the one program (docs/sweeps.md).
+SWEEPABLE = {
+    prefix + name: hint
     for prefix, fields in (("", Config), ("env.", EnvConfig))
     for name, hint in get_type_hints(fields).items()
-    if hint in (float, float | None)
-)
+    if hint in (float, float | None, int, bool, tuple[int, ...])
+    and name not in ("seed", "num_seeds")
+}
+TRACED = {name for name, hint in SWEEPABLE.items() if hint in (float, float | None)}
+PARSE = {  # a --sweep value as its field's type, where not a float (a tuple of ints: 64x64)
+    bool: {"true": True, "false": False}.__getitem__,
+    int: int,
+    tuple[int, ...]: lambda text: tuple(int(size) for size in text.split("x")),
+}
 Point = dict[str, Any]  # one grid point: a value per swept field
 
 
@@ -729,33 +734,46 @@ def with_values(config: Config, point: Point) -> Config:
 
 
 def describe(point: Point) -> str:
-    return " ".join(f"{name.replace('_', '-')}={value:g}" for name, value in point.items())
+    """The point as --sweep takes it: q-lr=0.0003 autotune=false hidden-sizes=64x64."""
+    words = []
+    for name, value in point.items():
+        value = "x".join(map(str, value)) if isinstance(value, tuple) else json.dumps(value)
+        words.append(f"{name.replace('_', '-')}={value}")
+    return " ".join(words)
 
 
-def sweep_grid(config: Config) -> list[Point]:
-    """Every combination of the --sweep values (one empty point without --sweep), validated."""
+def sweep_grid(config: Config) -> tuple[list[Point], list[Point]]:
+    """Every combination of the --sweep values, validated, in two parts whose product is the grid:
+    the structures (combinations of the values that are not floats) and the float points."""
     require(config.sweep != (), "sweep", "followed by NAME=V1,V2,... entries", "none")
-    values: dict[str, list[float]] = {}
+    values: dict[str, list] = {}
     for entry in config.sweep or ():
         name, _, listed = entry.partition("=")
         name = name.removeprefix("--").replace("-", "_")
         fields = ", ".join(name.replace("_", "-") for name in SWEEPABLE)
-        if name not in SWEEPABLE:
-            raise UsageError(f"--sweep must name one of {fields}, got {entry}")
+        require(name in SWEEPABLE, "sweep", f"NAME=V1,V2,... naming one of {fields}", entry)
         require(name not in values, "sweep", "one entry per field", entry)
         try:
-            values[name] = [float(value) for value in listed.split(",")]
-        except ValueError:
-            raise UsageError(f"--sweep must be NAME=V1,V2,... (numbers), got {entry}") from None
+            values[name] = [PARSE.get(SWEEPABLE[name], float)(value) for value in listed.split(",")]
+        except (ValueError, KeyError):  # (a bool: true or false)
+            raise UsageError(f"--sweep must be NAME=V1,V2,... (of its type), got {entry}") from None
         require(len(set(values[name])) == len(values[name]), "sweep", "distinct values", entry)
-    grid = [dict(zip(values, point, strict=True)) for point in itertools.product(*values.values())]
+
+    def combinations(traced: bool) -> list[Point]:
+        kind = {name: listed for name, listed in values.items() if (name in TRACED) == traced}
+        return [dict(zip(kind, point, strict=True)) for point in itertools.product(*kind.values())]
+
+    shapes, floats = combinations(traced=False), combinations(traced=True)
+    grid = [shape | point for shape in shapes for point in floats]
     for number, point in enumerate(grid, start=1):
         try:
             validate(with_values(config, point))
         except UsageError as error:
             where = f"grid point {number} of {len(grid)} ({describe(point)})"
             raise UsageError(f"--sweep {where}: {error}") from None
-    return grid
+    chunks = {chunk_sizes(with_values(config, point))[1] for point in grid}
+    require(len(chunks) == 1, "sweep", "points of as many chunks (see --log-every)", sorted(chunks))
+    return shapes, floats
 
 
 def runs_text(config: Config, grid: list[Point]) -> str:
@@ -763,22 +781,35 @@ def runs_text(config: Config, grid: list[Point]) -> str:
     return f"{len(grid)} grid points x {seeds}" if config.sweep else seeds
 
 
-class SeedKeys(NamedTuple):
-    """Per run, three keys split once from its seed (raw uint32 keys, as a checkpoint holds)."""
-
-    train: PRNGKey
-    evaluate: PRNGKey
-    render: PRNGKey
-
-
-def seed_keys(config: Config, num_points: int = 1) -> SeedKeys:
-    """Run r (grid point r // num_seeds) is the run of --seed (seed + r % num_seeds) alone."""
+@functools.partial(jax.jit, static_argnums=(0, 1), **RUN_ONCE)
+def seed_keys(config: Config, num_points: int = 1) -> dict[str, PRNGKey]:
+    """Each run's three keys (raw uint32): run r is the run of --seed seed + r % num_seeds alone."""
     seeds = config.seed + jnp.arange(num_points * config.num_seeds) % config.num_seeds
     keys = jax.vmap(lambda seed: jax.random.split(jax.random.PRNGKey(seed), 3))(seeds)
-    return SeedKeys(train=keys[:, 0], evaluate=keys[:, 1], render=keys[:, 2])
+    return {"train": keys[:, 0], "evaluate": keys[:, 1], "render": keys[:, 2]}
 
 
-# ---- outputs ----
+def over_structures(make: Callable, configs: list[Config], chunk: bool = False) -> Callable:
+    """make(config)'s function over every structure's runs (their float values its first argument,
+    a chunk's index last, one for all), as one program once jitted: lists in and out."""
+
+    def run(config: Config, values: Point, *inputs: Any) -> Any:
+        return make(with_values(config, values))(*inputs)
+
+    def every_structure(*args: list) -> list:
+        return [
+            jax.vmap(functools.partial(run, config), (0, 0, None) if chunk else 0)(*inputs)
+            for config, *inputs in zip(configs, *args, strict=True)
+        ]
+
+    return every_structure
+
+
+def initial(config: Config) -> Callable:
+    return make_train(config)[0]  # a run's init(key) -> its train state
+
+
+# ---- outputs: files, curves, the GIF, model.msgpack and checkpoint.msgpack ----
 
 say_once = functools.cache(print)  # a line that a loop may ask for again is printed once
 
@@ -801,7 +832,7 @@ def csv_text(rows: list[dict]) -> str:
 @functools.cache
 def jitted_render(config: Config) -> tuple[Callable, float]:
     render, seconds_per_frame = make_render(config)
-    return jax.jit(render, compiler_options=RUN_ONCE), seconds_per_frame
+    return jax.jit(render, **RUN_ONCE), seconds_per_frame
 
 
 def render_policy(config: Config, params: Params, key: PRNGKey) -> np.ndarray | None:
@@ -815,8 +846,6 @@ def render_policy(config: Config, params: Params, key: PRNGKey) -> np.ndarray | 
 
 def gif(frames: np.ndarray, seconds_per_frame: float, caption: str) -> bytes:
     """Frames [time, height, width, 3] as a looping GIF in real time, the caption above them."""
-    from PIL import Image, ImageDraw  # matplotlib's dependency
-
     frames = np.pad(frames, ((0, 0), (16, 0), (0, 0), (0, 0)), constant_values=255)
     # One palette for every frame, from frames across the GIF (a snake's colours may not be on the
     # first): PIL would otherwise find a palette per frame, 0.8 s more for a 500-frame episode.
@@ -851,17 +880,17 @@ def draw_curves(figure: Any, config: Config, grid: list[Point], rows: list[dict]
     figure.clear()
     figure.suptitle(f"{SCRIPT} on {env_name(config)}: {runs_text(config, grid)}")
     panels = figure.add_gridspec((len(METRIC_COLUMNS) + 2) // 3 + (frames is not None), 3)
-    steps = np.unique([row["env_steps"] for row in rows])
+    steps = np.reshape([row["env_steps"] for row in rows], (-1, len(grid), config.num_seeds))
     for index, name in enumerate(METRIC_COLUMNS):
         axis = figure.add_subplot(panels[index // 3, index % 3], title=name, xlabel="env steps")
         values = np.ma.masked_invalid([row[name] for row in rows])  # NaN: no episode ended
         by_point = values.reshape(len(steps), len(grid), -1).swapaxes(0, 1)
-        for point, runs in zip(grid, by_point, strict=True):
+        for point, runs, at in zip(grid, by_point, steps[:, :, 0].T, strict=True):
             seeds = f"mean of {runs.shape[1]} seeds" if runs.shape[1] > 1 else f"seed {config.seed}"
-            line = axis.plot(steps, runs.mean(axis=1), label=describe(point) or seeds)[0]
+            line = axis.plot(at, runs.mean(axis=1), label=describe(point) or seeds)[0]
             band = "min-max over seeds" if point is grid[0] and runs.shape[1] > 1 else None
             low, high = runs.min(axis=1), runs.max(axis=1)
-            axis.fill_between(steps, low, high, color=line.get_color(), alpha=0.25, label=band)
+            axis.fill_between(at, low, high, color=line.get_color(), alpha=0.25, label=band)
         axis.xaxis.set_major_formatter(EngFormatter(sep=""))  # 1.2M: long numbers collide
     bar = solved_return(config)
     figure.axes[0].axhline(bar, ls="--", c="gray", label=f"solved ({bar:g})")
@@ -874,53 +903,40 @@ def draw_curves(figure: Any, config: Config, grid: list[Point], rows: list[dict]
     figure.canvas.draw_idle()  # a --live window shows it at its next events
 
 
-# ---- checkpoints: model.msgpack (parameters) and checkpoint.msgpack (the whole train state) ----
-
-
 def checkpoint(config: Config, grid: list[Point], params: Params, resume: dict) -> bytes:
     """Every run's parameters (leading run axis) with the config and each run's seed and point;
     a checkpoint to resume adds the train state (keys as words), the chunks done and their rows."""
-    seeds = range(config.seed, config.seed + config.num_seeds)
+    runs = [{"seed": config.seed + i, **point} for point in grid for i in range(config.num_seeds)]
     payload = {
         "script": SCRIPT,
         "env": env_name(config),
         "config": json.dumps(dataclasses.asdict(config)),
-        "runs": [{"seed": seed, **point} for point in grid for seed in seeds],
+        "runs": json.loads(json.dumps(runs)),  # (a tuple as a list)
         "params": flax.serialization.to_state_dict(params),
     }
-    return flax.serialization.msgpack_serialize(payload | resume)
+    return flax.serialization.msgpack_serialize(payload | flax.serialization.to_state_dict(resume))
 
 
-def flat(config: Config) -> dict[str, Any]:
-    """Every field under its command-line name (the env's as env.<name>)."""
-    fields = {name: value for name, value in vars(config).items() if name != "env"}
-    return fields | {f"env.{name}": value for name, value in vars(config.env).items()}
-
-
-def space_shapes(config: Config) -> tuple:
-    """The observation's shape and the action space's (and, if discrete, its count)."""
-    env, env_params = make_env(config)
-    actions = env.action_space(env_params)
-    return env.observation_space(env_params).shape, actions.shape, getattr(actions, "n", None)
-
-
-def difference(payload: dict, layout: dict, runs: int) -> str | None:
-    """The first entry where the file's trees (leading run axis) differ from one run's layout."""
+def restored(payload: dict, states: list[TrainState], resume: bool, where: str) -> dict:
+    """The file's parameters (to resume, train states too) as init makes them (`states`), or one
+    line naming the first entry that differs (the file of an older version, or of another copy)."""
+    layout = {"params": list(map(trained_params, states))} | ({"state": states} if resume else {})
     if missing := [name for name in layout if name not in payload]:
-        return f"{missing[0]} is absent in the file"
+        raise UsageError(f"{where} does not fit this {SCRIPT}: {missing[0]} is absent in the file")
     saved = flatten_dict({name: payload[name] for name in layout}, sep=".")
     ours = flatten_dict(flax.serialization.to_state_dict(layout), sep=".")
     saved = {name: np.shape(x) for name, x in saved.items() if x is not None}
-    ours = {name: (runs, *x.shape) for name, x in ours.items() if x is not None}
+    ours = {name: x.shape for name, x in ours.items() if x is not None}
     for name in sorted(saved.keys() | ours.keys()):
         if saved.get(name) != ours.get(name):
-            return f"{name} is {saved.get(name, 'absent')} in the file, {ours.get(name)} here"
-    return None
+            found = f"{name} is {saved.get(name, 'absent')} in the file, {ours.get(name)} here"
+            raise UsageError(f"{where} does not fit this {SCRIPT}: {found}")
+    return payload | flax.serialization.from_state_dict(layout, {n: payload[n] for n in layout})
 
 
 def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Config, dict]:
     """(the checkpoint's config, its contents). Config flags typed here are refused, except with
-    --load-model the env's (a robustness check) where they keep the obs and action shapes."""
+    --load-model the env's (a robustness check, if they keep the networks' shapes)."""
     flag = "--resume" if options.resume else "--load-model"
     try:
         payload = flax.serialization.msgpack_restore(path.read_bytes())
@@ -931,29 +947,21 @@ def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Confi
     if payload["script"] != SCRIPT:
         found = f"a {payload['script']} checkpoint for {payload['env']}"
         raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
-    env = saved.pop("env")
-    unknown = ", ".join(sorted({*saved, *(f"env.{name}" for name in env)} - flat(config).keys()))
+    ours = flatten_dict(dataclasses.asdict(config), sep=".")  # command-line names: env.<name>
+    unknown = ", ".join(sorted(flatten_dict(saved, sep=".").keys() - ours.keys()))
     if unknown:  # (a field it lacks takes this script's default)
         raise UsageError(f"{flag} {path}: its config has {unknown}, which this {SCRIPT} has not")
+    env = saved.pop("env")
     saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
     saved = Config(**saved, env=EnvConfig(**env))
-    given = {name: value for name, value in flat(config).items() if name in options.typed}
-    physics = {name: value for name, value in given.items() if name.startswith("env.")}
-    physics = physics if flag == "--load-model" else {}
+    theirs = flatten_dict(dataclasses.asdict(saved), sep=".")
+    given = {name: value for name, value in ours.items() if name in options.typed}
+    physics = {name: v for name, v in given.items() if name[:4] == "env." and not options.resume}
     for name, value in given.items():
-        if name not in physics and value != flat(saved)[name]:
+        if name not in physics and value != theirs[name]:
             raise UsageError(f"--{name.replace('_', '-')} is set by the checkpoint; leave it out")
-    spaces = space_shapes(saved)
-    saved = with_values(saved, physics)
-    if spaces != space_shapes(saved):
-        flags = " ".join(f"--{name.replace('_', '-')}" for name in physics)
-        raise UsageError(f"{flags} with --load-model must keep the obs and action shapes")
+    saved = with_values(saved, physics)  # (restored checks that they keep the networks' shapes)
     validate(saved)  # the checkpoint's values meet this script's ranges too
-    layout = jax.eval_shape(make_train(saved)[0], jax.random.PRNGKey(0))  # one run's
-    ours = {"params": trained_params(layout)} | ({"state": layout} if options.resume else {})
-    found = difference(payload, ours, len(payload["runs"]))
-    if found:  # a file of an older version, or of another copy
-        raise UsageError(f"{flag} {path} does not fit this {SCRIPT}: {found}")
     return saved, payload
 
 
@@ -983,10 +991,10 @@ def fetch(tree: Any) -> Any:
 
 def first_run(tree: Any) -> Any:
     """Run 0 of every array, from the first device of process 0, without the other processes."""
-    return jax.tree.map(lambda x: x.addressable_data(0)[0], tree)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0], tree)
 
 
-# ---- signals ----
+# ---- the training loop (a Ctrl-C or SIGTERM stops it after a chunk) ----
 
 
 def abort(signum: int, frame: Any) -> None:
@@ -1010,12 +1018,9 @@ def stop_on_signals(stop: list[int]) -> None:
     signal.signal(signal.SIGTERM, request_stop)
 
 
-# ---- the training loop ----
-
-
-def chunk_rows(config: Config, grid: list[Point], metrics: Metrics, before: dict, now: float):
-    """The chunk's metrics rows, one per run (`before`: the last chunk's row, or zeros)."""
-    seconds = now - before["wall_seconds"]  # unrounded: a chunk may take < 1 ms
+def chunk_rows(config: Config, grid: list[Point], metrics: Metrics, previous: list, now: float):
+    """The chunk's metrics rows, one per run (`previous`: each run's last row, or zeros)."""
+    seconds = now - previous[0]["wall_seconds"]  # unrounded: a chunk may take < 1 ms
     return [
         {
             "seed": config.seed + run % config.num_seeds,
@@ -1026,23 +1031,22 @@ def chunk_rows(config: Config, grid: list[Point], metrics: Metrics, before: dict
             "sps": (int(metrics.env_steps[run]) - before["env_steps"]) / seconds,
             **{name: float(getattr(metrics, name)[run]) for name in METRIC_COLUMNS},
         }
-        for run in range(len(metrics.env_steps))
+        for run, before in enumerate(previous)
     ]
 
 
-def progress(metrics: Metrics, new_rows: list[dict], before: dict, total: int) -> str:
+def progress(metrics: Metrics, new_rows: list[dict], previous: list, done: float) -> str:
     """Env steps, rates of all runs together, train return over runs, losses, time and ETA."""
-    now = new_rows[0]  # every run has made as many env steps and updates
-    updates = len(new_rows) * (now["updates"] - before["updates"])
-    updates /= now["wall_seconds"] - before["wall_seconds"]
+    now = new_rows[0]  # the first run's steps; `done`: the share of the chunks done
+    updates = sum(row["updates"] for row in new_rows) - sum(row["updates"] for row in previous)
+    updates /= now["wall_seconds"] - previous[0]["wall_seconds"]
     rates = f"SPS {sum(row['sps'] for row in new_rows):,.0f}, updates/s {updates:,.0f}"
     rates += f" (all {len(new_rows)} runs together)" if len(new_rows) > 1 else ""
     returns = metrics.episode_return[np.isfinite(metrics.episode_return)]  # runs with episodes
     shown = f"{returns.mean():.1f}" if returns.size else "-"
     shown += f" ± {returns.std():.1f} (min {returns.min():.1f})" if returns.size > 1 else ""
     losses = " ".join(f"{name} {np.mean(getattr(metrics, name)):.3g}" for name in PROGRESS_COLUMNS)
-    done = now["env_steps"] / total
-    steps = f"steps {now['env_steps']:,}/{total:,} ({done:.0%})"
+    steps = f"steps {now['env_steps']:,}/{round(now['env_steps'] / done):,} ({done:.0%})"
     times = f"{now['wall_seconds']:.1f} s, ETA {now['wall_seconds'] * (1 / done - 1):.1f} s"
     return f"{steps} | {rates} | train return {shown} | {losses} | {times}"
 
@@ -1061,40 +1065,34 @@ def non_finite(grid: list[Point], metrics: Metrics, new_rows: list[dict], chunk:
 
 
 def train_and_log(
-    config: Config,
-    options: Options,
-    grid: list[Point],
-    out: Path,
-    keys: SeedKeys,
-    values: Point,
-    saved: dict | None,
-    stop: list[int],
-) -> tuple[TrainState, dict]:
-    """Every run in one program: the vmapped run_chunk once per chunk, the state donated (updated
-    in place); the next chunk is dispatched before this one is logged, so the device never waits."""
-
-    def init(key: PRNGKey, values: Point) -> TrainState:
-        return make_train(with_values(config, values))[0](key)
-
-    def run_chunk(state: TrainState, chunk: Array, values: Point) -> tuple[TrainState, Metrics]:
-        return make_train(with_values(config, values))[1](state, chunk)
-
+    config: Config, options: Options, runs: tuple, out: Path, saved: dict | None, stop: list[int]
+) -> tuple[list[TrainState], dict]:
+    """Every run in one program, each structure's vmapped: run_chunk once per chunk, the states
+    donated (updated in place), the next chunk dispatched before this one is logged."""
+    grid, configs, keys, values = runs  # the grid, and by structure its config, keys and floats
     start = time.perf_counter()
-    sharding = keys.train.sharding
-    if saved:  # the saved state, each run's part on its device (no fresh state made first)
-        state = jax.device_put(saved["state"], sharding)
+    sharding = keys[0]["train"].sharding
+    if saved:  # the saved states, each run's part on its device (no fresh state made first)
+        states = jax.device_put(saved["state"], sharding)
     else:
-        init_runs = jax.jit(jax.vmap(init), out_shardings=sharding, compiler_options=RUN_ONCE)
-        state = init_runs(keys.train, values)
-    run_chunks = jax.jit(
-        jax.vmap(run_chunk, (0, None, 0)), out_shardings=sharding, donate_argnums=0
-    )
-    run_chunks = run_chunks.lower(state, jnp.int32(0), values).compile()
+        init = jax.jit(over_structures(initial, configs), out_shardings=sharding, **RUN_ONCE)
+        states = init(values, [run_keys["train"] for run_keys in keys])
+
+    def run_chunks(values: list[Point], states: list[TrainState], chunk: Array) -> tuple:
+        """Every structure's chunk: (the states, every run's metrics, in grid order)."""
+        run_chunk = over_structures(lambda config: make_train(config)[1], configs, chunk=True)
+        done = run_chunk(values, states, [chunk] * len(configs))
+        metrics = jax.tree.map(lambda *parts: jnp.concatenate(parts), *[m for _, m in done])
+        return [state for state, _ in done], metrics
+
+    run_chunks = jax.jit(run_chunks, out_shardings=sharding, donate_argnums=1)
+    run_chunks = run_chunks.lower(values, states, np.int32(0)).compile()
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
     rows = json.loads(saved["rows"]) if saved else []
     first_chunk = saved["chunk"] if saved else 0
-    num_chunks = chunk_sizes(config)[1]
+    num_chunks = chunk_sizes(configs[0])[1]  # (sweep_grid: every structure's the same)
+    num_runs = len(grid) * config.num_seeds
     if saved:
         print(f"{SCRIPT}: resumed at chunk {first_chunk} of {num_chunks} in {out}", flush=True)
     writers = []
@@ -1102,15 +1100,14 @@ def train_and_log(
         from tensorboardX import SummaryWriter  # optional: check_options found it installed
 
         seeds = range(config.seed, config.seed + config.num_seeds)
-        names = [
-            "_".join([f"seed{seed}", *describe(point).split()]) for point in grid for seed in seeds
-        ]
+        names = ["_".join([f"seed{s}", *describe(p).split()]) for p in grid for s in seeds]
         writers = [SummaryWriter(str(out / "tensorboard" / name)) for name in names]
     figure = None  # made when first drawn: matplotlib is slow to import
+    first, render_key = with_values(configs[0], grid[0]), first_run(keys[0]["render"])  # --live
     drawn = time.perf_counter()
     stop_on_signals(stop)  # (until here, a Ctrl-C aborts: compiling cannot be stopped)
     start = time.perf_counter() - (rows[-1]["wall_seconds"] if rows else 0.0)
-    state, pending = run_chunks(state, jnp.int32(first_chunk), values)
+    states, pending = run_chunks(values, states, np.int32(first_chunk))
     for chunk in range(first_chunk, num_chunks):
         while not all(leaf.is_ready() for leaf in jax.tree.leaves(pending)):
             time.sleep(0.01)  # waking often: a Ctrl-C is heard at once, a window stays live
@@ -1124,14 +1121,14 @@ def train_and_log(
         steps_per_chunk = int(metrics.env_steps[0]) // (chunk + 1)
         every = max(options.checkpoint_every // steps_per_chunk, 1)  # in whole chunks
         due = options.checkpoint_every > 0 and (chunk + 1) % every == 0 and not finished
-        saved_state = fetch(state) if stopped or due else None  # before the state is donated
-        policy = first_run(trained_params(state)) if options.live else None  # the first run's
+        saved_states = fetch(states) if stopped or due else None  # before they are donated
+        policy = first_run(trained_params(states[0])) if options.live else None  # the first run's
         if not (finished or stopped):  # runs while this chunk is logged and drawn
-            state, pending = run_chunks(state, jnp.int32(chunk + 1), values)
-        before = rows[-1] if rows else {"env_steps": 0, "updates": 0, "wall_seconds": 0.0}
-        new_rows = chunk_rows(config, grid, metrics, before, time.perf_counter() - start)
+            states, pending = run_chunks(values, states, np.int32(chunk + 1))
+        previous = rows[-num_runs:] or [dict(env_steps=0, updates=0, wall_seconds=0.0)] * num_runs
+        new_rows = chunk_rows(config, grid, metrics, previous, time.perf_counter() - start)
         rows += new_rows
-        print(progress(metrics, new_rows, before, steps_per_chunk * num_chunks), flush=True)
+        print(progress(metrics, new_rows, previous, (chunk + 1) / num_chunks), flush=True)
         for writer, row in zip(writers, new_rows, strict=False):
             for name in ("sps", *METRIC_COLUMNS):
                 writer.add_scalar(name, row[name], row["env_steps"])
@@ -1142,15 +1139,13 @@ def train_and_log(
             if is_lead():
                 print(f"{problem} (the files in {out} hold the chunks so far)", file=sys.stderr)
             sys.exit(1)
-        if is_lead() and saved_state is not None:  # after the chunk's rows: a resume goes on
-            resume = {"chunk": chunk + 1, "rows": json.dumps(rows)}
-            resume["state"] = flax.serialization.to_state_dict(saved_state)
-            data = checkpoint(config, grid, trained_params(saved_state), resume)
+        if is_lead() and saved_states is not None:  # after the chunk's rows: a resume goes on
+            resume = {"chunk": chunk + 1, "rows": json.dumps(rows), "state": saved_states}
+            data = checkpoint(config, grid, list(map(trained_params, saved_states)), resume)
             write_atomic(out / "checkpoint.msgpack", data)
         due = finished or stopped or 0 < options.plot_every <= time.perf_counter() - drawn
         if is_lead() and (options.live or options.plot and due):
-            first = with_values(config, grid[0])
-            frames = render_policy(first, policy, first_run(keys.render)) if options.live else None
+            frames = render_policy(first, policy, render_key) if options.live else None
             figure = figure or new_figure(options.live)
             draw_curves(figure, config, grid, rows, frames)
         if is_lead() and options.plot and due:
@@ -1163,7 +1158,7 @@ def train_and_log(
     for writer in writers:
         writer.close()
     train_seconds = rows[-1]["wall_seconds"]  # at the last chunk's end, before the last drawing
-    return state, {
+    return states, {
         "train_seconds": train_seconds,
         "compile_seconds": compile_seconds,
         "env_steps": rows[-1]["env_steps"],
@@ -1209,19 +1204,25 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     saved = None
     if options.resume or options.eval_only:
         config, saved = load_checkpoint(path, config, options)
-    grid = sweep_grid(config)
-    num_runs = len(grid) * config.num_seeds
+    shapes, floats = sweep_grid(config)
+    grid = [shape | point for shape in shapes for point in floats]  # each structure's points
+    configs = [with_values(config, shape) for shape in shapes]  # one program's runs each
     devices = jax.devices()  # of every process: the runs are sharded over all of them
-    divides = f"such that the {num_runs} runs divide over the {len(devices)} devices"
-    require(num_runs % len(devices) == 0, "num_seeds", divides, config.num_seeds)
+    size = len(floats) * config.num_seeds  # a structure's runs: the float points x seeds
+    divides = f"such that the {size} runs divide over the {len(devices)} devices"
+    require(size % len(devices) == 0, "num_seeds", divides, config.num_seeds)
     sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
-    keys = jax.jit(
-        seed_keys, static_argnums=(0, 1), out_shardings=sharding, compiler_options=RUN_ONCE
-    )
-    keys = keys(config, len(grid))
-    if options.resume:  # the saved train state (load_checkpoint checked it) as init makes it
-        layout = jax.eval_shape(jax.vmap(make_train(config)[0]), keys.train)
-        saved["state"] = flax.serialization.from_state_dict(layout, saved["state"])
+    keys = [jax.tree.map(np.asarray, seed_keys(config, len(floats)))] * len(shapes)
+    values = {name: np.float32([point[name] for point in floats]) for name in floats[0]}
+    values = [jax.tree.map(lambda floats: floats.repeat(config.num_seeds), values)] * len(shapes)
+    if saved:  # the file's trees, as init makes them
+        train_keys = [run_keys["train"] for run_keys in keys]
+        layout = jax.eval_shape(over_structures(initial, configs), values, train_keys)
+        physics = [f"--{n.replace('_', '-')}" for n in sorted(options.typed) if n[:4] == "env."]
+        where = " with ".join(
+            [f"{'--resume' if options.resume else '--load-model'} {path}", *physics]
+        )
+        saved = restored(saved, layout, bool(options.resume), where)
     out = path.parent if options.resume else Path(options.output_dir or "runs")
     if is_lead():  # process 0 writes every output
         try:
@@ -1236,27 +1237,28 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     if not is_lead():
         print(f"{SCRIPT}: process {jax.process_index()}, a worker; process 0 writes", flush=True)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # process 0 speaks
+    keys, values = jax.device_put((keys, values), sharding)  # each process its runs'
     stop = [0]  # a Ctrl-C or SIGTERM once training runs: it ends with the run's outputs
-    runs = f"{runs_text(config, grid)} x {config.num_envs} envs on {len(devices)} device(s)"
+    shown = f"{runs_text(config, grid)} x {config.num_envs} envs on {len(devices)} device(s)"
     where = f"({devices[0].device_kind}), {jax.process_count()} process(es)"
-    print(f"{SCRIPT}: {env_name(config)}, {runs} {where}; compile cache: {compile_cache}")
+    print(f"{SCRIPT}: {env_name(config)}, {shown} {where}; compile cache: {compile_cache}")
+    written = dataclasses.asdict(config)  # --eval-only: the fields the model has
+    if options.eval_only:
+        written = {name: written[name] for name in json.loads(saved["config"])}
     if is_lead():
-        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(config), indent=2))
-    swept = {name: np.repeat([point[name] for point in grid], config.num_seeds) for name in grid[0]}
-    values = jax.device_put(jax.tree.map(np.float32, swept), sharding)  # each process its runs
+        write_atomic(out / "config.json", json.dumps(written, indent=2))
     if options.eval_only:
         params = jax.device_put(saved["params"], sharding)
         summary = {"model": str(path), "stopped_early": False, "exit_status": 0}
     else:
-        state, summary = train_and_log(config, options, grid, out, keys, values, saved, stop)
-        params = trained_params(state)
+        runs = (grid, configs, keys, values)
+        states, summary = train_and_log(config, options, runs, out, saved, stop)
+        params = list(map(trained_params, states))
 
-    def evaluate_run(params: Params, key: PRNGKey, values: Point) -> dict[str, Array]:
-        return make_evaluate(with_values(config, values), options.eval_episodes)(params, key)
-
-    evaluate_runs = jax.jit(jax.vmap(evaluate_run), compiler_options=RUN_ONCE)
-    evaluation = fetch(evaluate_runs(params, keys.evaluate, values))
-    evaluation = {name: np.mean(values, axis=1) for name, values in evaluation.items()}
+    evaluate = over_structures(lambda c: make_evaluate(c, options.eval_episodes), configs)
+    evaluate = jax.jit(evaluate, **RUN_ONCE)
+    evaluation = fetch(evaluate(values, params, [run_keys["evaluate"] for run_keys in keys]))
+    evaluation = jax.tree.map(lambda *parts: np.concatenate(parts).mean(axis=1), *evaluation)
     saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():
         sys.exit(summary["exit_status"])  # process 0 writes the outputs
@@ -1286,14 +1288,15 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     }
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     if options.capture_gif:  # after the model and the summary: an env may have no renderer
-        first = with_values(config, grid[0])
-        frames = render_policy(first, first_run(params), first_run(keys.render))
+        first = with_values(configs[0], grid[0])
+        frames = render_policy(first, first_run(params[0]), first_run(keys[0]["render"]))
         caption = f"{SCRIPT}, seed {config.seed} {describe(grid[0])}: return {returns[0]:.1f}"
         if frames is not None:
             write_atomic(out / "policy.gif", gif(frames, jitted_render(first)[1], caption))
     if not summary["stopped_early"] and (out / "checkpoint.msgpack").exists():
         (out / "checkpoint.msgpack").unlink()  # a finished run has nothing to resume
-    spread = f" ± {returns.std():.1f} (mean ± std over {num_runs} runs)" if num_runs > 1 else ""
+    num_runs = len(returns)
+    spread = f" ± {returns.std():.1f} (population std of {num_runs} runs)" if num_runs > 1 else ""
     episodes = f"{options.eval_episodes} deterministic episodes per run"
     solved = f"{summary['solved_runs']}/{num_runs} >= {bar:g}"
     shown = "".join(f", {name} {evaluation[name].mean():.3g}" for name in extras)
@@ -1304,8 +1307,9 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         print(f"  {describe(point)}: {finals}; {mean}")
     wrote = sorted(path.name for path in out.iterdir() if path.stat().st_mtime >= started)
     print(f"wrote {', '.join(wrote)} in {out}", flush=True)
-    if max(summary["exit_status"], stop[0]):
-        sys.exit(max(summary["exit_status"], stop[0]))  # 130 after Ctrl-C, 143 after SIGTERM
+    if max(summary["exit_status"], stop[0]):  # 130 after Ctrl-C, 143 after SIGTERM
+        print(f"to go on: python {SCRIPT}.py --resume {out}", flush=True)
+        sys.exit(max(summary["exit_status"], stop[0]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,15 +21,16 @@ import jax
 import pytest
 import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
 import test_sac_pendulum
+from flax.traverse_util import flatten_dict
 
 import envs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["sac_pendulum", "sac_cartpole", "ppo_cartpole", "ppo_snake"]
 BANNER = "# ---- command line: nothing below changes what is learned ----"
-# Lines from the banner to the end: the block with every capability is 734-745 lines
-# (CONTRIBUTING.md has its sections); this keeps it from growing.
-BUDGET = 750
+# Lines from the banner to the end (SCRIPT_CONTRACT.md §9: each block's size on 2026-11-27, plus
+# 30 for structural sweeps); CONTRIBUTING.md has the table.
+BUDGET = {"sac_pendulum": 768, "sac_cartpole": 779, "ppo_cartpole": 765, "ppo_snake": 771}
 
 
 def shared_block(script: str) -> str:
@@ -47,7 +48,7 @@ def test_each_block_is_within_its_line_budget():
     """The block below the banner is one a reader skims (CONTRIBUTING.md: line budgets)."""
     for script in SCRIPTS:
         text = (ROOT / f"{script}.py").read_text()
-        assert len(text.split(BANNER)[1].splitlines()) <= BUDGET, script
+        assert len(text.split(BANNER)[1].splitlines()) <= BUDGET[script], script
 
 
 @pytest.mark.parametrize("first, second", list(itertools.combinations(SCRIPTS, 2)))
@@ -61,7 +62,7 @@ def test_parse_args_notes_the_config_fields_typed(script):
     """--resume and --eval-only refuse the config flags typed (a default value too): every way of
     typing one (-, _, =, --no-X, --env.no-X) names its field; run options are noted as typed."""
     module = importlib.import_module(script)
-    defaults = module.flat(module.Config())
+    defaults = flatten_dict(dataclasses.asdict(module.Config()), sep=".")  # env.<name>
     switches = [name for name, value in defaults.items() if isinstance(value, bool)]
     flags = ["--gamma", str(defaults["gamma"]), f"--num_envs={defaults['num_envs']}"]
     for name in switches:  # each to its other value: --no-X (--env.no-X) for a True default
@@ -69,7 +70,8 @@ def test_parse_args_notes_the_config_fields_typed(script):
         flags.append(f"--{env}{dot}{'no-' if defaults[name] else ''}{field.replace('_', '-')}")
     config, options = module.parse_args([*flags, "--eval-episodes", "3"])
     assert options.typed == {"gamma", "num_envs", *switches, "eval_episodes"}
-    assert all(module.flat(config)[name] != defaults[name] for name in switches)
+    typed = flatten_dict(dataclasses.asdict(config), sep=".")
+    assert all(typed[name] != defaults[name] for name in switches)
 
 
 # sac_pendulum stands for the PPO scripts (the same block and parse_args); sac_cartpole has its own
@@ -175,16 +177,21 @@ def test_eval_only_names_its_model_and_evaluates_under_other_physics(pendulum_ru
     assert refused.returncode == 2 and "--hidden-sizes is set by the checkpoint" in refused.stderr
 
 
-def test_eval_only_refuses_physics_that_change_the_observation_shape(tmp_path):
+def test_eval_only_refuses_physics_that_change_the_networks_shapes(tmp_path, capsys):
     module = importlib.import_module("ppo_snake")
     config = dataclasses.replace(module.Config(), hidden_size=8, conv_channels=(4,))
     params = module.trained_params(jax.eval_shape(module.make_train(config)[0], jax.random.key(0)))
     params = jax.tree.map(lambda leaf: jax.numpy.zeros(leaf.shape, leaf.dtype), params)
     path = tmp_path / "model.msgpack"
-    path.write_bytes(module.checkpoint(config, [{}], jax.tree.map(lambda x: x[None], params), {}))
-    smaller = module.parse_args(["--eval-only", "--load-model", str(path), "--env.grid-size", "6"])
-    with pytest.raises(module.UsageError, match="must keep the obs and action shapes"):
-        module.load_checkpoint(path, *smaller)
+    path.write_bytes(module.checkpoint(config, [{}], [jax.tree.map(lambda x: x[None], params)], {}))
+    smaller = ["--eval-only", "--load-model", str(path), "--env.grid-size", "6"]
+    with pytest.raises(SystemExit) as exit_:
+        module.main(*module.parse_args([*smaller, "--output-dir", str(tmp_path / "out")]))
+    kernel = "params.0.params.trunk.dense.kernel is (1, 400, 8) in the file, (1, 144, 8) here"
+    assert (
+        exit_.value.code == 2
+        and f"does not fit this ppo_snake: {kernel}" in capsys.readouterr().err
+    )
     loaded, _ = module.load_checkpoint(path, module.Config(), module.Options(eval_only=True))
     assert loaded == config  # from Python, no flag typed: the model's config whole
 

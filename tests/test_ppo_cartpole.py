@@ -189,7 +189,7 @@ def tiny_runs():
     """Seeds 1 and 2 of TINY in one vmapped program, and seed 2 alone, twice."""
     config = dataclasses.replace(TINY, num_seeds=2)
     _, _, train = ppo.make_train(config)
-    keys = ppo.seed_keys(config).train
+    keys = ppo.seed_keys(config)["train"]
     vmapped = jax.jit(jax.vmap(train))(keys)
     single = jax.jit(train)
     return config, vmapped, single(keys[1]), single(keys[1])
@@ -229,21 +229,23 @@ def test_evaluation_starts_from_other_states_than_training():
     config = dataclasses.replace(TINY, num_envs=8)
     keys = ppo.seed_keys(config)
     init, _, _ = ppo.make_train(config)
-    training_obs = np.asarray(jax.jit(init)(keys.train[0]).obs)
+    training_obs = np.asarray(jax.jit(init)(keys["train"][0]).obs)
     env, env_params = ppo.make_env(config)
-    reset_key, _ = jax.random.split(keys.evaluate[0])  # as make_greedy_episodes splits it
+    reset_key, _ = jax.random.split(keys["evaluate"][0])  # as make_greedy_episodes splits it
     reset_keys = jax.random.split(reset_key, 8)
     reset = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))  # one program, not eager ops
     evaluation_obs = np.asarray(reset(reset_keys, env_params)[0])
     assert not np.isclose(training_obs[:, None, :], evaluation_obs[None, :, :]).all(-1).any()
-    assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3
+    assert (
+        len({str(key) for key in [keys["train"][0], keys["evaluate"][0], keys["render"][0]]}) == 3
+    )
 
 
 def test_render_draws_four_carts_every_second_step(tiny_runs):
     config, (state, _), _, _ = tiny_runs
     render, seconds_per_frame = ppo.make_render(config)
     params = jax.tree.map(lambda x: x[0], ppo.trained_params(state))
-    frames = jax.jit(render)(params, ppo.seed_keys(config).render[0])
+    frames = jax.jit(render)(params, ppo.seed_keys(config)["render"][0])
     assert frames.dtype == jnp.uint8 and frames.shape == (25, 120, 4 * 180, 3)  # 50 steps / 2
     assert seconds_per_frame == pytest.approx(2 * 0.02)  # real time: CartPole's tau per step
 
@@ -553,11 +555,11 @@ def test_default_config_learns_to_balance():
     config = dataclasses.replace(ppo.Config(), num_seeds=4)
     keys = ppo.seed_keys(config)
     _, _, train = ppo.make_train(config)
-    state, metrics = jax.jit(jax.vmap(train), compiler_options=XLA_DEFAULT)(keys.train)
+    state, metrics = jax.jit(jax.vmap(train), compiler_options=XLA_DEFAULT)(keys["train"])
     evaluate = jax.jit(
         jax.vmap(ppo.make_evaluate(config, num_episodes=10)), compiler_options=XLA_DEFAULT
     )
-    returns = np.asarray(evaluate(ppo.trained_params(state), keys.evaluate)["episode_return"])
+    returns = np.asarray(evaluate(ppo.trained_params(state), keys["evaluate"])["episode_return"])
     returns = returns.mean(axis=1)
     assert np.all(np.asarray(metrics.episode_return)[:, 0] < 100)  # it starts out failing
     assert np.all(returns >= 400) and np.median(returns) >= 475, returns

@@ -443,14 +443,14 @@ def two_seed_run():
     """Seeds 3 and 4 of TINY in one vmapped program."""
     config = dataclasses.replace(TINY, seed=3, num_seeds=2)
     _, _, train = ppo.make_train(config)
-    return config, train, jax.jit(jax.vmap(train))(ppo.seed_keys(config).train)
+    return config, train, jax.jit(jax.vmap(train))(ppo.seed_keys(config)["train"])
 
 
 def test_vmapped_seed_equals_single_run_and_seeds_differ(two_seed_run):
     config, train, (state, metrics) = two_seed_run
     assert metrics.value_loss.shape == (2, ppo.chunk_sizes(config)[1])
     assert int(state.updates[0]) == 2 * 2 * 2 * 2  # chunks x iterations x epochs x minibatches
-    single_key = ppo.seed_keys(dataclasses.replace(config, seed=4, num_seeds=1)).train[0]
+    single_key = ppo.seed_keys(dataclasses.replace(config, seed=4, num_seeds=1))["train"][0]
     single_state, single_metrics = jax.jit(train)(single_key)  # seed 3 + 1 alone
     close = dict(rtol=1e-4, atol=1e-5)
     chex.assert_trees_all_close(
@@ -466,7 +466,7 @@ def test_vmapped_seed_equals_single_run_and_seeds_differ(two_seed_run):
 
 def test_same_seed_gives_identical_metrics_in_process(two_seed_run):
     config, train, (_, metrics) = two_seed_run
-    _, again = jax.jit(jax.vmap(train))(ppo.seed_keys(config).train)
+    _, again = jax.jit(jax.vmap(train))(ppo.seed_keys(config)["train"])
     chex.assert_trees_all_equal(metrics, again)
 
 
@@ -474,7 +474,7 @@ def test_cli_chunk_loop_equals_train(two_seed_run):
     """The CLI's path (init, then run_chunk from Python) is the same computation as train."""
     config, _, (state, metrics) = two_seed_run
     init, run_chunk, _ = ppo.make_train(config)
-    loop_state = jax.jit(jax.vmap(init))(ppo.seed_keys(config).train)
+    loop_state = jax.jit(jax.vmap(init))(ppo.seed_keys(config)["train"])
     chunk = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)))
     for index in range(ppo.chunk_sizes(config)[1]):
         loop_state, loop_metrics = chunk(loop_state, index)
@@ -501,7 +501,7 @@ def test_score_counts_food():
     Without the move mask, as TINY's short run with it ends no episode (it dies only boxed in)."""
     config = dataclasses.replace(TINY, seed=3, num_seeds=2, move_mask=False)
     _, _, train = ppo.make_train(config)
-    _, metrics = jax.jit(jax.vmap(train))(ppo.seed_keys(config).train)
+    _, metrics = jax.jit(jax.vmap(train))(ppo.seed_keys(config)["train"])
     surplus = np.asarray(metrics.score - metrics.episode_return)
     assert ((surplus >= 0) & (surplus <= 1 + 1e-6)).all() and (surplus > 0).any()
     assert (np.asarray(metrics.score) >= 0).all() and (np.asarray(metrics.win_rate) == 0).all()
@@ -547,22 +547,24 @@ def test_evaluation_starts_from_other_states_than_training():
     config = dataclasses.replace(TINY, num_envs=8, env=ppo.EnvConfig(20))
     keys = ppo.seed_keys(config)
     init, _, _ = ppo.make_train(config)
-    training_obs = np.asarray(jax.jit(init)(keys.train[0]).obs)
+    training_obs = np.asarray(jax.jit(init)(keys["train"][0]).obs)
     env, env_params = ppo.make_env(config)
-    episode_keys = jax.random.split(keys.evaluate[0], 8)  # as evaluate does for 8 episodes
+    episode_keys = jax.random.split(keys["evaluate"][0], 8)  # as evaluate does for 8 episodes
     reset_keys = jax.vmap(lambda key: jax.random.split(key)[0])(episode_keys)
     reset = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))
     evaluation_obs = np.asarray(reset(reset_keys, env_params)[0])
     same = (training_obs[:, None] == evaluation_obs[None, :]).all(axis=(-3, -2, -1))
     assert not same.any()
-    assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3
+    assert (
+        len({str(key) for key in [keys["train"][0], keys["evaluate"][0], keys["render"][0]]}) == 3
+    )
 
 
 def test_evaluate_and_render_shapes(two_seed_run):
     config, _, (state, _) = two_seed_run
     keys = ppo.seed_keys(config)
     params = ppo.trained_params(state)
-    episodes = jax.jit(jax.vmap(ppo.make_evaluate(config, EVAL_EPISODES)))(params, keys.evaluate)
+    episodes = jax.jit(jax.vmap(ppo.make_evaluate(config, EVAL_EPISODES)))(params, keys["evaluate"])
     unshielded = {"score_unshielded", "win_unshielded"}  # the same games without the shield
     assert set(episodes) == {"episode_return", "score", "win", "episode_length"} | unshielded
     for values in episodes.values():
@@ -570,12 +572,12 @@ def test_evaluate_and_render_shapes(two_seed_run):
     died = episodes["score"] - episodes["episode_return"]
     assert np.isin(np.asarray(died), [0.0, 1.0]).all()
     no_shield = dataclasses.replace(config, shield=False)
-    alone = jax.jit(jax.vmap(ppo.make_evaluate(no_shield, EVAL_EPISODES)))(params, keys.evaluate)
+    alone = jax.jit(jax.vmap(ppo.make_evaluate(no_shield, EVAL_EPISODES)))(params, keys["evaluate"])
     assert set(alone) == {"episode_return", "score", "win", "episode_length"}
     for name in ["score", "win"]:
         np.testing.assert_array_equal(alone[name], episodes[f"{name}_unshielded"])
     render, seconds_per_frame = ppo.make_render(config)
-    frames = jax.jit(render)(jax.tree.map(lambda x: x[0], params), keys.render[0])
+    frames = jax.jit(render)(jax.tree.map(lambda x: x[0], params), keys["render"][0])
     cell_pixels = 120 // 6
     board = 6 * cell_pixels
     width = ppo.GIF_BOARDS * board + (ppo.GIF_BOARDS - 1) * cell_pixels
@@ -940,11 +942,11 @@ def test_short_run_learns_to_eat():
     )
     keys = ppo.seed_keys(config)
     _, _, train = ppo.make_train(config)
-    state, metrics = jax.jit(jax.vmap(train), compiler_options=XLA_DEFAULT)(keys.train)
+    state, metrics = jax.jit(jax.vmap(train), compiler_options=XLA_DEFAULT)(keys["train"])
     evaluate = jax.jit(
         jax.vmap(ppo.make_evaluate(config, num_episodes=100)), compiler_options=XLA_DEFAULT
     )
-    scores = np.asarray(evaluate(ppo.trained_params(state), keys.evaluate)["score"]).mean(axis=1)
+    scores = np.asarray(evaluate(ppo.trained_params(state), keys["evaluate"])["score"]).mean(axis=1)
     first_chunk = np.asarray(metrics.score[:, 0])
     assert np.all(first_chunk < 8.0), first_chunk
     assert np.all(scores >= 10.0) and np.median(scores) >= 14.0, scores

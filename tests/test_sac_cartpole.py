@@ -112,7 +112,7 @@ def test_td_target_by_hand():
 def two_seed_run():
     config = dataclasses.replace(TINY, seed=3, num_seeds=2)
     _, _, train = sac.make_train(config)
-    return config, train, jax.jit(jax.vmap(train))(sac.seed_keys(config).train)
+    return config, train, jax.jit(jax.vmap(train))(sac.seed_keys(config)["train"])
 
 
 def test_stored_episode_ends_terminate_only_off_the_track(two_seed_run):
@@ -157,7 +157,7 @@ def test_vmapped_seed_equals_single_run_and_seeds_differ(two_seed_run):
     updates = (TINY.total_timesteps - TINY.learning_starts) // TINY.num_envs
     assert int(metrics.updates[0, -1]) == updates
     alone = dataclasses.replace(config, seed=4, num_seeds=1)  # seed 3 + 1 alone
-    single_state, single_metrics = jax.jit(train)(sac.seed_keys(alone).train[0])
+    single_state, single_metrics = jax.jit(train)(sac.seed_keys(alone)["train"][0])
     chex.assert_trees_all_close(
         jax.tree.map(lambda x: x[1], state.learner.params),
         single_state.learner.params,
@@ -176,7 +176,7 @@ def test_cli_chunk_loop_equals_train(two_seed_run):
     """The CLI's path (init, then run_chunk from Python) is the same computation as train."""
     config, _, (state, metrics) = two_seed_run
     init, run_chunk, _ = sac.make_train(config)
-    loop_state = jax.jit(jax.vmap(init))(sac.seed_keys(config).train)
+    loop_state = jax.jit(jax.vmap(init))(sac.seed_keys(config)["train"])
     chunk = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)))
     for index in range(sac.chunk_sizes(config)[1]):
         loop_state, loop_metrics = chunk(loop_state, index)
@@ -195,18 +195,20 @@ def test_evaluation_and_gif_start_from_other_states_than_training():
     env, env_params = sac.make_env(config)
     keys = sac.seed_keys(config)
     init, _, _ = sac.make_train(config)
-    training = jax.jit(init)(keys.train[0]).obs  # jitted: one program, not ~90 eager ones
+    training = jax.jit(init)(keys["train"][0]).obs  # jitted: one program, not ~90 eager ones
 
     @functools.partial(jax.jit, static_argnums=1)
     def first_states(key, count):  # make_evaluate's and make_render's first split
         reset_keys = jax.random.split(jax.random.split(key)[0], count)
         return jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)[0]
 
-    evaluation = first_states(keys.evaluate[0], 16)
-    gif = first_states(keys.render[0], sac.GIF_ENVS)
+    evaluation = first_states(keys["evaluate"][0], 16)
+    gif = first_states(keys["render"][0], sac.GIF_ENVS)
     states = np.concatenate([training, evaluation, gif])
     assert len(np.unique(states, axis=0)) == len(states)
-    key_data = [jax.random.key_data(key[0]) for key in (keys.train, keys.evaluate, keys.render)]
+    key_data = [
+        jax.random.key_data(key[0]) for key in (keys["train"], keys["evaluate"], keys["render"])
+    ]
     assert len(np.unique(np.stack(key_data), axis=0)) == 3  # three keys, not one reused
 
 
@@ -548,11 +550,11 @@ def test_default_config_learns_to_balance():
     config = dataclasses.replace(sac.Config(), num_seeds=3)
     _, _, train = sac.make_train(config)
     keys = sac.seed_keys(config)
-    state, metrics = jax.jit(jax.vmap(train), compiler_options=XLA_DEFAULT)(keys.train)
+    state, metrics = jax.jit(jax.vmap(train), compiler_options=XLA_DEFAULT)(keys["train"])
     params = jax.vmap(sac.trained_params)(state)
     evaluation = jax.jit(
         jax.vmap(sac.make_evaluate(config, num_episodes=20)), compiler_options=XLA_DEFAULT
-    )(params, keys.evaluate)
+    )(params, keys["evaluate"])
     returns = np.asarray(evaluation["episode_return"]).mean(axis=1)
     assert np.median(returns) >= sac.solved_return(config) and returns.min() >= 100, returns
     assert np.all(metrics.episode_return[:, 0] < 100)  # it started from a poor policy

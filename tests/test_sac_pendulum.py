@@ -315,7 +315,7 @@ def test_time_limit_transitions_bootstrap_from_the_final_observation():
 def two_seed_run():
     config = dataclasses.replace(TINY, seed=3, num_seeds=2)
     _, _, train = sac.make_train(config)
-    return config, train, jax.jit(jax.vmap(train))(sac.seed_keys(config).train)
+    return config, train, jax.jit(jax.vmap(train))(sac.seed_keys(config)["train"])
 
 
 def test_vmapped_seed_equals_single_run_and_seeds_differ(two_seed_run):
@@ -323,7 +323,7 @@ def test_vmapped_seed_equals_single_run_and_seeds_differ(two_seed_run):
     assert metrics.episode_return.shape == (2, sac.chunk_sizes(config)[1])
     assert int(metrics.updates[0, -1]) > 50  # it did train
     single_state, single_metrics = jax.jit(train)(
-        sac.seed_keys(dataclasses.replace(config, seed=4, num_seeds=1)).train[0]
+        sac.seed_keys(dataclasses.replace(config, seed=4, num_seeds=1))["train"][0]
     )  # seed 3 + 1 alone
     chex.assert_trees_all_close(
         jax.tree.map(lambda x: x[1], state.learner.params),
@@ -345,7 +345,7 @@ def test_cli_chunk_loop_equals_train(two_seed_run):
     """The CLI's path (init, then run_chunk from Python) is the same computation as train."""
     config, _, (state, metrics) = two_seed_run
     init, run_chunk, _ = sac.make_train(config)
-    loop_state = jax.jit(jax.vmap(init))(sac.seed_keys(config).train)
+    loop_state = jax.jit(jax.vmap(init))(sac.seed_keys(config)["train"])
     chunk = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)))
     for index in range(sac.chunk_sizes(config)[1]):
         loop_state, loop_metrics = chunk(loop_state, index)
@@ -363,14 +363,16 @@ def test_evaluation_starts_from_other_states_than_training():
     config = dataclasses.replace(TINY, num_envs=8)
     keys = sac.seed_keys(config)
     init, _, _ = sac.make_train(config)
-    training_obs = np.asarray(jax.jit(init)(keys.train[0]).obs)
+    training_obs = np.asarray(jax.jit(init)(keys["train"][0]).obs)
     env, env_params = sac.make_env(config)
-    reset_key, _ = jax.random.split(keys.evaluate[0])  # as make_evaluate splits it
+    reset_key, _ = jax.random.split(keys["evaluate"][0])  # as make_evaluate splits it
     reset_keys = jax.random.split(reset_key, 8)
     reset = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))  # one program, not eager ops
     evaluation_obs = np.asarray(reset(reset_keys, env_params)[0])
     assert not np.isclose(training_obs[:, None, :], evaluation_obs[None, :, :]).all(-1).any()
-    assert len({str(key) for key in [keys.train[0], keys.evaluate[0], keys.render[0]]}) == 3
+    assert (
+        len({str(key) for key in [keys["train"][0], keys["evaluate"][0], keys["render"][0]]}) == 3
+    )
 
 
 # ---- the command line contract: whole runs (conftest.run_script) ----
@@ -817,11 +819,11 @@ def test_default_config_learns_to_swing_up():
     config = dataclasses.replace(sac.Config(), num_seeds=4, total_timesteps=24_000)
     keys = sac.seed_keys(config)
     _, _, train = sac.make_train(config)
-    state, metrics = jax.jit(jax.vmap(train), compiler_options=XLA_DEFAULT)(keys.train)
+    state, metrics = jax.jit(jax.vmap(train), compiler_options=XLA_DEFAULT)(keys["train"])
     evaluate = jax.jit(
         jax.vmap(sac.make_evaluate(config, num_episodes=20)), compiler_options=XLA_DEFAULT
     )
-    returns = np.asarray(evaluate(sac.trained_params(state), keys.evaluate)["episode_return"])
+    returns = np.asarray(evaluate(sac.trained_params(state), keys["evaluate"])["episode_return"])
     returns = returns.mean(axis=1)
     assert np.all(returns > -400) and np.median(returns) > -250, returns
     assert np.all(metrics.episode_return[:, 0] < -900)  # and it started from a poor policy

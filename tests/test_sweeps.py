@@ -37,13 +37,14 @@ def task_configs(module) -> list:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_sweepable_field_is_traced_through_training_and_evaluation(script):
-    """Each field --sweep accepts can be a traced value (one per run) in init, run_chunk and the
-    evaluation: no shape and no Python branch depends on it. Every field is traced at once (a
-    field that a shape or a branch reads fails the trace all the same), in one trace per task
-    instead of one per field."""
+    """Each float field --sweep accepts can be a traced value (one per run) in init, run_chunk
+    and the evaluation: no shape and no Python branch depends on it. Every such field is traced at
+    once (a field that a shape or a branch reads fails the trace all the same), in one trace per
+    task instead of one per field. The other sweepable fields set a structure."""
     module = importlib.import_module(script)
-    assert "gamma" in module.SWEEPABLE and "num_envs" not in module.SWEEPABLE
-    values = {name: jnp.full(1, 0.5) for name in module.SWEEPABLE}
+    assert "gamma" in module.TRACED and {"num_envs", "num_seeds"} & module.TRACED == set()
+    assert "num_envs" in module.SWEEPABLE and "seed" not in module.SWEEPABLE
+    values = {name: jnp.full(1, 0.5) for name in module.TRACED}
     for config in task_configs(module):
         keys = module.seed_keys(config)
 
@@ -56,20 +57,25 @@ def test_every_sweepable_field_is_traced_through_training_and_evaluation(script)
         def evaluate(params, key, values, config=config):
             return module.make_evaluate(module.with_values(config, values), 2)(params, key)
 
-        state = jax.eval_shape(jax.vmap(init), keys.train, values)
+        state = jax.eval_shape(jax.vmap(init), keys["train"], values)
         jax.eval_shape(jax.vmap(run_chunk), state, values)
         params = module.trained_params(state)
-        jax.eval_shape(jax.vmap(evaluate), params, keys.evaluate, values)
+        jax.eval_shape(jax.vmap(evaluate), params, keys["evaluate"], values)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize(
     "sweep, message",
     [
-        (["num-envs=4,8"], "--sweep must name one of "),
-        (["gamma=0.9,abc"], "--sweep must be NAME=V1,V2,... (numbers), got gamma=0.9,abc"),
-        (["gamma="], "--sweep must be NAME=V1,V2,... (numbers), got gamma="),
-        (["gamma"], "--sweep must be NAME=V1,V2,... (numbers), got gamma"),
+        (
+            ["seed=1,2"],
+            "--sweep must be NAME=V1,V2,... naming one of ",
+        ),  # the run's own fields are not swept
+        (["gamma=0.9,abc"], "--sweep must be NAME=V1,V2,... (of its type), got gamma=0.9,abc"),
+        (["gamma="], "--sweep must be NAME=V1,V2,... (of its type), got gamma="),
+        (["gamma"], "--sweep must be NAME=V1,V2,... (of its type), got gamma"),
+        (["num-envs=4,1.5"], "--sweep must be NAME=V1,V2,... (of its type), got num-envs=4,1.5"),
+        (["num-envs=4,0"], "grid point 2 of 2 (num-envs=0): --num-envs must be >= 1, got 0"),
         ([], "--sweep must be followed by NAME=V1,V2,... entries"),  # not a plain run
         (["gamma=0.9", "gamma=0.99"], "--sweep must be one entry per field, got gamma=0.99"),
         (["gamma=0.9,1.5"], "grid point 2 of 2 (gamma=1.5): --gamma must be in (0, 1], got 1.5"),
@@ -171,3 +177,66 @@ def test_a_grid_point_is_the_single_run_and_the_report_holds_every_run(script, t
     again = json.loads((eval_dir / "summary.json").read_text())
     assert again["final_returns"] == summary["final_returns"]
     assert [entry["gamma"] for entry in again["sweep"]] == [0.9, 0.99]
+
+
+STRUCTURES = {  # a field that sets a shape (the networks') and one that sets a loop's length
+    "sac_pendulum": ("hidden-sizes", ["16x16", "8x8"], ["updates-per-step", "1", "2"]),
+    "ppo_cartpole": ("hidden-size", ["16", "8"], ["update-epochs", "2", "1"]),
+}
+
+
+@pytest.mark.parametrize("script", ["sac_pendulum", "ppo_cartpole"])
+def test_a_structural_sweep_is_one_process_one_report_and_each_point_its_single_run(
+    script, tmp_path
+):
+    """Fields that set a shape or a loop: one program per structure (here 4), every run in one
+    process and one report, and run (g, i) is the single command's run with those values."""
+    shape, shapes, (loop, *loops) = STRUCTURES[script]
+    flags = [*TINY_FLAGS[script], "--seed", "5", "--no-capture-gif"]
+    grid = [f"{shape}={','.join(shapes)}", f"{loop}={','.join(loops)}", "gamma=0.9,0.99"]
+    swept = run(script, *flags, "--sweep", *grid, "--output-dir", str(tmp_path / "sweep"))
+    assert swept.returncode == 0, swept.stderr
+    assert "8 grid points x 1 seed x" in swept.stdout and "(all 8 runs together)" in swept.stdout
+    shown = [line.split(":")[0].strip() for line in swept.stdout.splitlines()[-9:-1]]
+    assert shown[:2] == [f"{shape}={shapes[0]} {loop}={loops[0]} gamma=0.9"] * 1 + [
+        f"{shape}={shapes[0]} {loop}={loops[0]} gamma=0.99"
+    ]  # the structure's fields vary slowest
+    assert shown[-1] == f"{shape}={shapes[1]} {loop}={loops[1]} gamma=0.99"
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert len(summary["sweep"]) == 8 and len(summary["final_returns"]) == 8
+    # the last point (the second network, the second loop length, gamma 0.99) run alone
+    sizes = shapes[1].split("x")
+    alone_flags = [*flags, f"--{shape}", *sizes, f"--{loop}", loops[1], "--gamma", "0.99"]
+    alone = run(script, *alone_flags, "--output-dir", str(tmp_path / "alone"), "--no-plot")
+    assert alone.returncode == 0, alone.stderr
+    rows = [row for row in rows_of(tmp_path / "sweep" / "metrics.csv")]
+    point = rows[7::8]  # run 7 of each chunk's 8 rows
+    single = rows_of(tmp_path / "alone" / "metrics.csv")
+    assert len(point) == len(single) > 1
+    assert all(row["gamma"] == "0.99" for row in point)
+    loss = next(name for name in ("critic_loss", "value_loss") if name in single[0])
+    for name in [*METRICS, loss]:  # the first chunks to float tolerance (rounding then grows)
+        np.testing.assert_allclose(
+            [float(row[name]) for row in point[:2]],
+            [float(row[name]) for row in single[:2]],
+            rtol=1e-4,
+            atol=1e-5,
+        )
+    # --eval-only evaluates every structure's runs of the sweep's model
+    evaluated = run(
+        script,
+        *("--eval-only", "--load-model", str(tmp_path / "sweep")),
+        *("--output-dir", str(tmp_path / "eval"), "--no-capture-gif"),
+        *("--eval-episodes", flags[flags.index("--eval-episodes") + 1]),
+    )
+    assert evaluated.returncode == 0, evaluated.stderr
+    again = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert again["final_returns"] == summary["final_returns"]
+
+
+def test_a_structural_grid_of_unequal_chunks_is_refused_before_compiling():
+    """Every structure trains in as many chunks (one progress line and row per chunk)."""
+    status, _, stderr = in_process(
+        test_sac_pendulum.sac, *TINY_FLAGS["sac_pendulum"], "--sweep", "num-envs=4,24"
+    )
+    assert status == 2 and "--sweep must be points of as many chunks" in stderr, stderr
