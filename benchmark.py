@@ -55,6 +55,7 @@ STEPS_PER_ENV = {"sac": 64, "ppo": 512}  # per timed chunk, ~1 s of CPU work (--
 CHILD_MEMORY = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 # A command's prefix: no --distributed worker outlives a killed benchmark.py (setpriv, Linux).
 DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
+SPLIT_HOOK = os.path.join(REPO, "docs", "compile_split")  # its sitecustomize.py: compile split
 
 
 def device_label() -> str:
@@ -147,9 +148,7 @@ def vector_env(env, params, num_envs: int) -> tuple:
 def time_side_by_side(libraries: dict, num_envs: int, num_steps: int, repeats: int) -> list[dict]:
     """Rows of `repeats` rollouts of each library's (init, rollout), interleaved; ours first,
     with its ratio to the others."""
-    rollouts = []
-    carries = []
-    rows = []
+    rollouts, carries, rows = [], [], []
     key_init, key_run = jax.random.split(jax.random.key(0))
     for library, (init, rollout) in libraries.items():
         carries.append(jax.block_until_ready(jax.jit(init)(key_init)))
@@ -189,10 +188,9 @@ def run_envs(args: argparse.Namespace) -> list[dict]:
             libraries["gymnax"] = vector_env(*gymnax.make(name), num_envs)
         for row in time_side_by_side(libraries, num_envs, num_steps, args.repeats or 5):
             version = "envs.py" if row["library"] == "ours" else metadata.version(row["library"])
-            row = dict(
-                benchmark="env_steps", env=name, num_envs=num_envs, **row, num_steps=num_steps
-            )
-            rows.append(report(row | dict(repeats=args.repeats or 5, library_version=version)))
+            row = dict(benchmark="env_steps", env=name, num_envs=num_envs, **row)
+            row.update(num_steps=num_steps, repeats=args.repeats or 5, library_version=version)
+            rows.append(report(row))
     labels = ("parallel envs", "env steps per second", "env throughput")
     return save(args, rows, ("benchmark_envs.png", "num_envs", "steps_per_second", *labels))
 
@@ -305,7 +303,9 @@ def run_script(script, cache_dir, flags, tree=REPO, processes=1, environment=Non
             cluster += ["--num-processes", str(processes)]
             commands = [[*cluster, "--process-id", str(index)] for index in range(processes)]
         environment = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir, **(environment or {})}
-        environment.update(CHILD_MEMORY, PYTHONUNBUFFERED="1")
+        split = Path(temporary, "compile_split.json")  # seconds per program and phase
+        environment.update(CHILD_MEMORY, PYTHONUNBUFFERED="1", PYTHONPATH=SPLIT_HOOK)
+        environment["COMPILE_SPLIT"] = str(split)
         options = dict(stderr=subprocess.STDOUT, text=True, env=environment, cwd=tree)
         start = time.perf_counter()
         running = [subprocess.Popen(commands[0], stdout=subprocess.PIPE, **options)]
@@ -327,16 +327,18 @@ def run_script(script, cache_dir, flags, tree=REPO, processes=1, environment=Non
             raise RuntimeError(f"{script}.py printed no line starting with 'steps ': {printed}")
         run = json.loads((out / "summary.json").read_text())
         run["metrics"] = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+        run["compile_split"] = json.loads(split.read_text()) if split.exists() else None
     return run | dict(seconds=seconds, first_progress_seconds=first_progress)
 
 
 def figures(prefix: str, runs: list[dict]) -> dict:
-    """`prefix`_seconds (to exit), _first_progress_seconds, ...: medians; _runs: each run's."""
+    """`prefix`_seconds (to exit), ...: medians; _runs: each run's; _compile_split: the first's."""
     row = {}
     for name in ("seconds", "first_progress_seconds", "compile_seconds", "train_seconds"):
         row[f"{prefix}_{name}"] = round(statistics.median(run[name] for run in runs), 2)
     row[f"{prefix}_runs"] = [round(run["seconds"], 2) for run in runs]
     row[f"{prefix}_first_progress_runs"] = [round(run["first_progress_seconds"], 2) for run in runs]
+    row[f"{prefix}_compile_split"] = runs[0]["compile_split"]  # the first run's, per program
     return row
 
 
@@ -482,9 +484,8 @@ def run_distributed(args: argparse.Namespace) -> list[dict]:
                 xla_flags = f"--xla_force_host_platform_device_count={args.processes // processes}"
                 environment = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags}
                 with tempfile.TemporaryDirectory() as cache:
-                    sides[side].append(
-                        run_script(script, cache, flags, REPO, processes, environment)
-                    )
+                    run = run_script(script, cache, flags, REPO, processes, environment)
+                sides[side].append(run)
         row = dict(benchmark="distributed", library=script, env=script, num_seeds=num_seeds)
         row.update(num_envs=sides["one_process"][0].get("num_envs"), processes=args.processes)
         row.update(devices=args.processes, repeats=args.repeats or 3, extra_flags=args.flags)

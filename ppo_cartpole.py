@@ -686,8 +686,8 @@ def check_options(options: Options) -> None:
         raise UsageError("--track needs tensorboardX: pip install tensorboardX")
 
 
-# The programs that run once (the seed keys, init, the evaluation, the GIF's renderer) compile with
-# LLVM at -O0: about half their compile time, for milliseconds more of running (docs/usage.md).
+# Programs that run once compile faster at LLVM -O0: the seed keys and init, for milliseconds more
+# of running; the evaluation's long loops (Snake's) want -O1, the renderer's all (docs/usage.md).
 RUN_ONCE = {"compiler_options": {"xla_backend_optimization_level": 0}}  # jax.jit's
 
 
@@ -832,7 +832,7 @@ def csv_text(rows: list[dict]) -> str:
 @functools.cache
 def jitted_render(config: Config) -> tuple[Callable, float]:
     render, seconds_per_frame = make_render(config)
-    return jax.jit(render, **RUN_ONCE), seconds_per_frame
+    return jax.jit(render), seconds_per_frame
 
 
 def render_policy(config: Config, params: Params, key: PRNGKey) -> np.ndarray | None:
@@ -1256,7 +1256,7 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         params = list(map(trained_params, states))
 
     evaluate = over_structures(lambda c: make_evaluate(c, options.eval_episodes), configs)
-    evaluate = jax.jit(evaluate, **RUN_ONCE)
+    evaluate = jax.jit(evaluate, compiler_options={"xla_backend_optimization_level": 1})
     evaluation = fetch(evaluate(values, params, [run_keys["evaluate"] for run_keys in keys]))
     evaluation = jax.tree.map(lambda *parts: np.concatenate(parts).mean(axis=1), *evaluation)
     saved_params = fetch(params) if options.save_model and not options.eval_only else None

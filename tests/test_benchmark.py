@@ -148,6 +148,14 @@ def test_gpu_list_runs_whole_and_tiny_on_a_cpu(tmp_path: Path) -> None:
         assert 0 < launch[f"{side}_first_progress_seconds"] < launch[f"{side}_seconds"]
         assert launch[f"{side}_compile_seconds"] > 0 and len(launch[f"{side}_final_returns"]) == 1
         assert len(launch[f"{side}_launch_to_solved_runs"]) == 1
+    cold_split = launch["cold_compile_split"]  # the run's programs, each traced, lowered, compiled
+    assert {"seed_keys", "every_structure", "run_chunks"} <= set(cold_split)
+    assert set(cold_split["run_chunks"]) == {
+        "jaxpr_trace",
+        "jaxpr_to_mlir_module",
+        "backend_compile",
+    }
+    assert cold_split["run_chunks"]["backend_compile"] > 0
     solves = {(row["library"], row["num_envs"]): row for row in kinds["time_to_solve"]}
     assert set(solves) == {("sac_pendulum", 16), ("ppo_cartpole", 32), ("ppo_cartpole", 16)}
     for row in solves.values():
