@@ -55,8 +55,8 @@ class Config:
     seed: int = 1  # seed of the first run; seed i of --num-seeds uses seed + i
     num_seeds: int = 1  # independent runs trained at once in one vmapped program
     sweep: tuple[str, ...] | None = None
-    """NAME=V1,V2,... entries, e.g. q-lr=1e-3,3e-3 tau=0.1,0.2: every combination of the
-    values x --num-seeds runs in one vmapped program (docs/sweeps.md)"""
+    """NAME=V1,V2,... entries of any field, e.g. q-lr=1e-3,3e-3 hidden-sizes=64x64,128x128: every
+    combination x --num-seeds runs, in one process (docs/sweeps.md)"""
     num_envs: int = 1024  # parallel envs per seed
     total_timesteps: int = 4_096_000  # env steps per seed (all envs together), warm-up included
     policy_lr: float = 3e-3  # Adam step size of the actor
@@ -1012,8 +1012,8 @@ def draw_curves(figure: Any, config: Config, grid: list[Point], rows: list[dict]
         axis.xaxis.set_major_formatter(EngFormatter(sep=""))  # 1.2M: long numbers collide
     bar = solved_return(config)
     figure.axes[0].axhline(bar, ls="--", c="gray", label=f"solved ({bar:g})")
-    legend = figure.axes[0].get_legend_handles_labels()  # one legend below, never over a curve
-    figure.legend(*legend, loc="outside lower center", ncols=min(len(legend[1]), 6))
+    legend = figure.axes[0].get_legend_handles_labels()  # below the panels, as wide as they are
+    figure.legend(*legend, loc="outside lower center", ncols=1 + 90 // max(map(len, legend[1])))
     if frames is not None:
         policy = figure.add_subplot(panels[-1, :], xticks=[], yticks=[])
         policy.imshow(frames[len(frames) // 2])
