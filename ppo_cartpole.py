@@ -686,8 +686,8 @@ def check_options(options: Options) -> None:
         raise UsageError("--track needs tensorboardX: pip install tensorboardX")
 
 
-# Programs that run once compile faster at LLVM -O0: the seed keys and init, for milliseconds more
-# of running; the evaluation's long loops (Snake's) want -O1, the renderer's all (docs/usage.md).
+# LLVM's level, measured per program (docs/usage.md): -O0 for the seed keys and init, which run
+# once; -O1 for the evaluation's loops; -O2 for the chunk on a CPU; the default for the renderer.
 RUN_ONCE = {"compiler_options": {"xla_backend_optimization_level": 0}}  # jax.jit's
 
 
@@ -1067,8 +1067,7 @@ def non_finite(grid: list[Point], metrics: Metrics, new_rows: list[dict], chunk:
 def train_and_log(
     config: Config, options: Options, runs: tuple, out: Path, saved: dict | None, stop: list[int]
 ) -> tuple[list[TrainState], dict]:
-    """Every run in one program, each structure's vmapped: run_chunk once per chunk, the states
-    donated (updated in place), the next chunk dispatched before this one is logged."""
+    """All runs' chunk as one program, states donated; the next dispatched before this is logged."""
     grid, configs, keys, values = runs  # the grid, and by structure its config, keys and floats
     start = time.perf_counter()
     sharding = keys[0]["train"].sharding
@@ -1086,7 +1085,8 @@ def train_and_log(
         return [state for state, _ in done], metrics
 
     run_chunks = jax.jit(run_chunks, out_shardings=sharding, donate_argnums=1)
-    run_chunks = run_chunks.lower(values, states, np.int32(0)).compile()
+    level = {"xla_backend_optimization_level": 2} if jax.default_backend() == "cpu" else None
+    run_chunks = run_chunks.lower(values, states, np.int32(0)).compile(compiler_options=level)
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
     rows = json.loads(saved["rows"]) if saved else []
