@@ -1337,9 +1337,8 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         train_keys = [run_keys["train"] for run_keys in keys]
         layout = jax.eval_shape(over_structures(initial, configs), values, train_keys)
         physics = [f"--{n.replace('_', '-')}" for n in sorted(options.typed) if n[:4] == "env."]
-        where = " with ".join(
-            [f"{'--resume' if options.resume else '--load-model'} {path}", *physics]
-        )
+        flag = "--resume" if options.resume else "--load-model"
+        where = " with ".join([f"{flag} {path}", *physics])
         saved = restored(saved, layout, bool(options.resume), where)
     out = path.parent if options.resume else Path(options.output_dir or "runs")
     if is_lead():  # process 0 writes every output
@@ -1425,8 +1424,9 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         print(f"  {describe(point)}: {finals}; {mean}")
     wrote = sorted(path.name for path in out.iterdir() if path.stat().st_mtime >= started)
     print(f"wrote {', '.join(wrote)} in {out}", flush=True)
-    if max(summary["exit_status"], stop[0]):  # 130 after Ctrl-C, 143 after SIGTERM
+    if summary["stopped_early"]:  # (a stop after the last chunk leaves nothing to go on from)
         print(f"to go on: python {SCRIPT}.py --resume {out}", flush=True)
+    if max(summary["exit_status"], stop[0]):  # 130 after Ctrl-C, 143 after SIGTERM
         sys.exit(max(summary["exit_status"], stop[0]))
 
 

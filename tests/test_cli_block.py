@@ -136,10 +136,10 @@ def test_a_copy_on_an_env_without_a_renderer_keeps_its_model_and_summary(
 
 @pytest.mark.parametrize("chunks, stopped_early", [(1, False), (2, True)])
 def test_a_stop_during_the_last_chunk_is_a_finished_run(
-    chunks, stopped_early, tmp_path, monkeypatch
+    chunks, stopped_early, tmp_path, monkeypatch, capsys
 ):
-    """A Ctrl-C while the last chunk runs: the run is whole (no checkpoint, not stopped early),
-    and the exit status still says it was interrupted."""
+    """A Ctrl-C while the last chunk runs: the run is whole (no checkpoint, not stopped early, no
+    --resume line to follow), and the exit status still says it was interrupted."""
     module = importlib.import_module("ppo_cartpole")
     monkeypatch.setattr(module, "stop_on_signals", lambda stop: stop.__setitem__(0, 130))
     flags = [*test_ppo_cartpole.TINY_FLAGS, "--total-timesteps", str(128 * chunks)]
@@ -150,6 +150,8 @@ def test_a_stop_during_the_last_chunk_is_a_finished_run(
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stopped_early"] == stopped_early and summary["env_steps"] == 128
     assert (tmp_path / "checkpoint.msgpack").exists() == stopped_early
+    last_line = capsys.readouterr().out.splitlines()[-1]
+    assert last_line.startswith("to go on: python ppo_cartpole.py --resume ") == stopped_early
 
 
 @pytest.fixture(scope="module")
