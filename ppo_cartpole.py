@@ -490,12 +490,8 @@ def make_train(config: Config):
             updates=iterations_done * updates_per_iteration,
             episode_return=masked_mean(log.episode_return, log.episode_ended),
             episode_length=masked_mean(log.episode_length, log.episode_ended),
-            value_loss=losses.value_loss,
-            policy_loss=losses.policy_loss,
-            entropy=losses.entropy,
-            approx_kl=losses.approx_kl,
-            clip_frac=losses.clip_frac,
             params_finite=jnp.isfinite(flat_params).all(),
+            **dataclasses.asdict(losses),  # value_loss ... clip_frac, chunk means
         )
         return state, metrics
 
@@ -594,7 +590,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from PIL import Image, ImageDraw  # matplotlib's dependency
 
-LOSS_COLUMNS = ("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac")  # checked for NaN
+LOSS_COLUMNS = tuple(field.name for field in dataclasses.fields(Losses))  # checked for NaN
 METRIC_COLUMNS = ("episode_return", "episode_length", *LOSS_COLUMNS)  # fields of Metrics
 PROGRESS_COLUMNS = ("value_loss", "entropy", "approx_kl")  # on each progress line after the return
 EVAL_EPISODES = 10  # greedy-policy episodes per run in the final evaluation, by default
@@ -959,7 +955,7 @@ def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Confi
     physics = {name: v for name, v in given.items() if name[:4] == "env." and not options.resume}
     for name, value in given.items():
         if name not in physics and value != theirs[name]:
-            raise UsageError(f"--{name.replace('_', '-')} is set by the checkpoint; leave it out")
+            raise UsageError(f"--{name.replace('_', '-')} is set by the saved run; leave it out")
     saved = with_values(saved, physics)  # (restored checks that they keep the networks' shapes)
     validate(saved)  # the checkpoint's values meet this script's ranges too
     return saved, payload
@@ -1024,7 +1020,7 @@ def chunk_rows(config: Config, grid: list[Point], metrics: Metrics, previous: li
     return [
         {
             "seed": config.seed + run % config.num_seeds,
-            **grid[run // config.num_seeds],  # the swept values after the seed
+            **json.loads(json.dumps(grid[run // config.num_seeds])),  # (a tuple as a list)
             "env_steps": int(metrics.env_steps[run]),
             "updates": int(metrics.updates[run]),
             "wall_seconds": now,

@@ -807,7 +807,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from PIL import Image, ImageDraw  # matplotlib's dependency
 
-LOSS_COLUMNS = ("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac")  # checked for NaN
+LOSS_COLUMNS = tuple(field.name for field in dataclasses.fields(Losses))  # checked for NaN
 METRIC_COLUMNS = ("episode_return", "episode_length", "score", "win_rate", *LOSS_COLUMNS)
 PROGRESS_COLUMNS = ("score", "win_rate", "value_loss", "entropy")  # on each progress line
 EVAL_EPISODES = 100  # greedy episodes per run by default (a good snake's scores vary a lot)
@@ -1178,7 +1178,7 @@ def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Confi
     physics = {name: v for name, v in given.items() if name[:4] == "env." and not options.resume}
     for name, value in given.items():
         if name not in physics and value != theirs[name]:
-            raise UsageError(f"--{name.replace('_', '-')} is set by the checkpoint; leave it out")
+            raise UsageError(f"--{name.replace('_', '-')} is set by the saved run; leave it out")
     saved = with_values(saved, physics)  # (restored checks that they keep the networks' shapes)
     validate(saved)  # the checkpoint's values meet this script's ranges too
     return saved, payload
@@ -1243,7 +1243,7 @@ def chunk_rows(config: Config, grid: list[Point], metrics: Metrics, previous: li
     return [
         {
             "seed": config.seed + run % config.num_seeds,
-            **grid[run // config.num_seeds],  # the swept values after the seed
+            **json.loads(json.dumps(grid[run // config.num_seeds])),  # (a tuple as a list)
             "env_steps": int(metrics.env_steps[run]),
             "updates": int(metrics.updates[run]),
             "wall_seconds": now,

@@ -58,7 +58,7 @@ class Config:
     """NAME=V1,V2,... entries of any field, e.g. q-lr=1e-3,3e-3 hidden-sizes=64x64,128x128: every
     combination x --num-seeds runs, in one process (docs/sweeps.md)"""
     num_envs: int = 1024  # parallel envs per seed
-    total_timesteps: int = 4_096_000  # env steps per seed (all envs together), warm-up included
+    total_timesteps: int = 4_096_000  # env steps per seed (all envs), rounded down to whole chunks
     policy_lr: float = 3e-3  # Adam step size of the actor
     q_lr: float = 3e-3  # Adam step size of the critics and of the temperature (CleanRL's q_lr)
     gamma: float = 0.99  # discount factor
@@ -70,7 +70,7 @@ class Config:
     updates_per_step: int = 1  # gradient updates per vectorised env step (of num_envs transitions)
     hidden_sizes: tuple[int, ...] = (128, 128)  # hidden layer widths of the actor and each critic
     max_grad_norm: float | None = None
-    """clip the actor's and critics' gradients to this global norm (optax.clip_by_global_norm)"""
+    """clip the whole gradient, log alpha's too, to this global norm (optax.clip_by_global_norm)"""
     autotune: bool = True
     """tune the temperature alpha towards --target-entropy (from alpha = 1); off: fixed --alpha"""
     alpha: float = 0.2  # the fixed temperature with --no-autotune (CleanRL's default)
@@ -283,7 +283,7 @@ class Totals:
     """A chunk's running sums, each one array: an iteration adds to each in one operation."""
 
     episodes: Array  # [3, num_envs]: per env, the episodes ended, their returns and lengths
-    losses: Array  # [5]: the Losses of the updates, summed (ravel_pytree's order)
+    losses: Array  # [fields of Losses]: the updates' Losses, summed (ravel_pytree's order)
 
 
 @struct.dataclass
@@ -575,7 +575,7 @@ def make_train(config: Config):
     def run_chunk(state: TrainState, chunk: Array) -> tuple[TrainState, Metrics]:
         """Chunk number `chunk` (from 0): iterations_per_chunk iterations in one scan."""
         indices = chunk * iterations_per_chunk + jnp.arange(iterations_per_chunk)
-        totals = Totals(episodes=jnp.zeros((3, num_envs)), losses=jnp.zeros(5))
+        totals = Totals(jnp.zeros((3, num_envs)), jnp.zeros(len(dataclasses.fields(Losses))))
         (state, totals), _ = jax.lax.scan(iteration, (state, totals), indices)
         episodes, episode_return, episode_length = jnp.sum(totals.episodes, axis=1)
         loss_sums = Losses(*totals.losses)  # in Losses' field order, as ravel_pytree wrote them
@@ -707,7 +707,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from PIL import Image, ImageDraw  # matplotlib's dependency
 
-LOSS_COLUMNS = ("critic_loss", "actor_loss", "alpha", "q_mean", "entropy")  # checked for NaN
+LOSS_COLUMNS = tuple(field.name for field in dataclasses.fields(Losses))  # checked for NaN
 METRIC_COLUMNS = ("episode_return", "episode_length", *LOSS_COLUMNS)  # fields of Metrics
 PROGRESS_COLUMNS = ("critic_loss", "actor_loss", "alpha")  # on each progress line after the return
 EVAL_EPISODES = 100  # deterministic-policy episodes per run in the final evaluation, by default
@@ -1077,7 +1077,7 @@ def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Confi
     physics = {name: v for name, v in given.items() if name[:4] == "env." and not options.resume}
     for name, value in given.items():
         if name not in physics and value != theirs[name]:
-            raise UsageError(f"--{name.replace('_', '-')} is set by the checkpoint; leave it out")
+            raise UsageError(f"--{name.replace('_', '-')} is set by the saved run; leave it out")
     saved = with_values(saved, physics)  # (restored checks that they keep the networks' shapes)
     validate(saved)  # the checkpoint's values meet this script's ranges too
     return saved, payload
@@ -1142,7 +1142,7 @@ def chunk_rows(config: Config, grid: list[Point], metrics: Metrics, previous: li
     return [
         {
             "seed": config.seed + run % config.num_seeds,
-            **grid[run // config.num_seeds],  # the swept values after the seed
+            **json.loads(json.dumps(grid[run // config.num_seeds])),  # (a tuple as a list)
             "env_steps": int(metrics.env_steps[run]),
             "updates": int(metrics.updates[run]),
             "wall_seconds": now,

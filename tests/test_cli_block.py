@@ -5,8 +5,10 @@ without a renderer keeps its model, a stop in the last chunk is no early stop, r
 same second get folders of their own, main leaves the signal handlers as it found them,
 --eval-only leaves its provenance and checks robustness under other physics."""
 
+import csv
 import dataclasses
 import importlib
+import io
 import itertools
 import json
 import re
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import flax.serialization
 import jax
+import numpy as np
 import pytest
 import test_ppo_cartpole  # tests/ is on the path: pytest prepends it
 import test_sac_pendulum
@@ -177,7 +180,7 @@ def test_eval_only_names_its_model_and_evaluates_under_other_physics(pendulum_ru
     assert summary["final_returns"] != saved  # other physics, other returns
     refused = test_sac_pendulum.run(*flags, "--gamma", "0.5")
     assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1
-    assert "--gamma is set by the checkpoint" in refused.stderr
+    assert "--gamma is set by the saved run" in refused.stderr
     # A flag typed at the script's default is typed all the same: a model trained heavier
     # evaluates at the default mass when asked to, and the default networks are refused.
     payload = flax.serialization.msgpack_restore((pendulum_run / "model.msgpack").read_bytes())
@@ -189,7 +192,7 @@ def test_eval_only_names_its_model_and_evaluates_under_other_physics(pendulum_ru
     assert test_sac_pendulum.run(*flags, *default).returncode == 0
     assert json.loads((tmp_path / "default" / "config.json").read_text())["env"]["m"] == 1.0
     refused = test_sac_pendulum.run(*flags, "--hidden-sizes", "64", "64")  # the default
-    assert refused.returncode == 2 and "--hidden-sizes is set by the checkpoint" in refused.stderr
+    assert refused.returncode == 2 and "--hidden-sizes is set by the saved run" in refused.stderr
 
 
 def test_eval_only_refuses_physics_that_change_the_networks_shapes(tmp_path, capsys):
@@ -272,6 +275,7 @@ POINT_MASS = '''
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import struct
 
@@ -374,6 +378,21 @@ def copy_onto_the_point_mass(script: str, env_class: str, folder: Path) -> str:
     return name
 
 
+def add_a_logged_loss(path: Path) -> None:
+    """A copier's new number in the losses: a field of Losses and of Metrics, set where the
+    losses are made, and nothing edited below the banner."""
+    text = path.read_text()
+    edits = [
+        (r"(^class Losses:\n(?:    [^\n]*\n)+)", r"\1    doubled_entropy: Array\n"),
+        (r"(^class Metrics:\n.*?^    entropy: Array\n)", r"\1    doubled_entropy: Array\n"),
+        (r"(= Losses\(\n.*?entropy=entropy)", r"\1, doubled_entropy=2 * entropy"),
+    ]
+    for pattern, replacement in edits:
+        text, count = re.subn(pattern, replacement, text, count=1, flags=re.S | re.M)
+        assert count == 1, pattern
+    path.write_text(text)
+
+
 @pytest.mark.parametrize(
     "script, env_class, flags",
     [
@@ -386,8 +405,10 @@ def test_a_copy_on_your_own_env_trains_resumes_and_evaluates(
 ):
     """A script copied onto an env that has only what README's "Your own env" asks for trains
     (its zero-default param is not refused), stops and resumes from its checkpoint, and
-    --eval-only evaluates the model; the missing renderer is said once."""
+    --eval-only evaluates the model; the missing renderer is said once. The copy also logs a
+    new loss, which metrics.csv carries with no edit below the banner."""
     name = copy_onto_the_point_mass(script, env_class, tmp_path)
+    add_a_logged_loss(tmp_path / f"{name}.py")
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module(name)
     flags = [*flags, "--env.max-steps-in-episode", "20", "--no-compile-cache", "--no-plot"]
@@ -401,6 +422,9 @@ def test_a_copy_on_your_own_env_trains_resumes_and_evaluates(
     summary = json.loads((out / "summary.json").read_text())
     assert not (out / "checkpoint.msgpack").exists() and not summary["stopped_early"]
     assert summary["env_steps"] == json.loads((out / "config.json").read_text())["total_timesteps"]
+    rows = list(csv.DictReader(io.StringIO((out / "metrics.csv").read_text())))
+    doubled = np.array([[float(row["doubled_entropy"]), float(row["entropy"])] for row in rows])
+    np.testing.assert_allclose(doubled[:, 0], 2 * doubled[:, 1], rtol=1e-5)
     evaluate = ["--eval-only", "--load-model", str(out), "--output-dir", str(tmp_path / "eval")]
     module.main(*module.parse_args([*evaluate, "--env.friction", "0.5"]))
     evaluation = json.loads((tmp_path / "eval" / "summary.json").read_text())

@@ -145,7 +145,7 @@ def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
         (["--resume", str(tmp_path / "missing")], "(No such file or directory)"),
         (["--resume", ""], "--resume must be a run folder"),  # not a fresh run
         (["--resume", str(other)], "is not a checkpoint of sac_pendulum"),  # truncated
-        (["--resume", str(folder), "--q-lr", "0.1"], "--q-lr is set by the checkpoint"),
+        (["--resume", str(folder), "--q-lr", "0.1"], "--q-lr is set by the saved run"),
         (["--resume", str(folder), "--num-envs", "16"], "--num-envs is set by"),  # the default
         (["--resume", str(folder), "--output-dir", str(other)], "(without --output-dir)"),
     ]:

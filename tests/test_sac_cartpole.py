@@ -447,7 +447,7 @@ def test_eval_only_refuses_other_checkpoints_and_overridden_flags(finished_run, 
         (["--load-model", str(other)], "sac_pendulum checkpoint for Pendulum-v1"),
         (["--load-model", str(garbage)], "is not a checkpoint of sac_cartpole"),
         (["--load-model", str(model), "--hidden-sizes", "64", "64"], "--hidden-sizes"),
-        (["--load-model", str(model), "--gamma", "0.5"], "--gamma is set by the checkpoint"),
+        (["--load-model", str(model), "--gamma", "0.5"], "--gamma is set by the saved run"),
         (["--load-model", str(balance), "--env-id", "CartPoleSwingup"], "--env-id"),
     ]:
         status, _, stderr = in_process(sac, "--eval-only", *flags)

@@ -214,6 +214,8 @@ def test_a_structural_sweep_is_one_process_one_report_and_each_point_its_single_
     single = rows_of(tmp_path / "alone" / "metrics.csv")
     assert len(point) == len(single) > 1
     assert all(row["gamma"] == "0.99" for row in point)
+    value = [int(size) for size in sizes] if len(sizes) > 1 else int(sizes[0])  # as JSON has it
+    assert [json.loads(row[shape.replace("-", "_")]) for row in point] == [value] * len(point)
     loss = next(name for name in ("critic_loss", "value_loss") if name in single[0])
     for name in [*METRICS, loss]:  # the first chunks to float tolerance (rounding then grows)
         np.testing.assert_allclose(
