@@ -61,6 +61,9 @@ class Config:
     total_timesteps: int = 4_096_000  # env steps per seed (all envs), rounded down to whole chunks
     policy_lr: float = 3e-3  # Adam step size of the actor
     q_lr: float = 3e-3  # Adam step size of the critics and of the temperature (CleanRL's q_lr)
+    lr_decay_start: float = 0.5
+    """share of the run's updates after which every step size decays linearly (1: never)"""
+    lr_decay_to: float = 0.1  # the step sizes at the run's end, as a share of their rates
     gamma: float = 0.99  # discount factor
     tau: float = 0.2
     """Polyak step of the target critics: target <- tau * critic + (1 - tau) * target"""
@@ -81,15 +84,16 @@ class Config:
 
 
 def default_config(env_id: str = "CartPoleContinuous") -> Config:
-    """A task's defaults, which the command line's flags override. Swing-up keeps the batch that
-    it was tuned with, remembers longer (1,000 iterations of all envs) and trains twice as long
-    (docs/sac.md)."""
+    """A task's defaults, which the command line's flags override. Swing-up explores more (its
+    policies then learn to brake a pole that overshoots the top), remembers longer (1,000
+    iterations of all envs) and trains twice as long (docs/sac.md)."""
     if env_id != "CartPoleSwingup":
         return Config()
     return Config(
         env_id="CartPoleSwingup",
         tau=0.1,
-        batch_size=128,
+        batch_size=192,
+        target_entropy=0.5,
         buffer_size=1_000_000,
         total_timesteps=8_192_000,
         log_every=1_024_000,
@@ -370,13 +374,19 @@ class Agent:
         """Where the twin critics' parameters sit in the vector."""
         return slice(self.part_sizes[0], self.part_sizes[0] + self.part_sizes[1])
 
-    def step_sizes(self) -> Array:
-        """Each parameter's Adam step size: the actor's --policy-lr, the critics' and alpha's
-        --q-lr (CleanRL's split). One Adam for all is the three networks' Adams in one operation,
-        as Adam acts element by element."""
+    def step_sizes(self, progress: Array) -> Array:
+        """Each parameter's Adam step size with `progress` of the run's updates done: the actor's
+        --policy-lr, the critics' and alpha's --q-lr (CleanRL's split), held until
+        --lr-decay-start, then decayed linearly to --lr-decay-to of themselves, so that the final
+        policy settles (docs/sac.md). One Adam for all is the three networks' Adams in one
+        operation, as Adam acts element by element."""
         rates = [self.config.policy_lr, self.config.q_lr, self.config.q_lr]
         pieces = [jnp.full(size, rate) for size, rate in zip(self.part_sizes, rates, strict=True)]
-        return jnp.concatenate(pieces)
+        start, end = self.config.lr_decay_start, self.config.lr_decay_to
+        decayed = jnp.clip(
+            (progress - start) / (1 - start), 0.0, 1.0
+        )  # 0 until start, 1 at the end
+        return (1 - (1 - end) * decayed) * jnp.concatenate(pieces)
 
     def policy(self, actor_params: Params, obs: Array, noise: Array) -> tuple[Array, Array]:
         mean, log_std = self.actor.apply(actor_params, obs)
@@ -421,8 +431,16 @@ def make_agent(config: Config) -> Agent:
     )
 
 
+@struct.dataclass
+class UpdateKeys:
+    """An update's random keys, one per draw: another draw is another field here, used by name."""
+
+    batch: PRNGKey  # which transitions the batch holds
+    noise: PRNGKey  # the Gaussian noise of the actor's samples at s and s'
+
+
 def sac_loss(
-    params: Array, target_critics: Array, batch: Transition, noise: Array, agent: Agent
+    params: Array, target_critics: Array, batch: Transition, keys: UpdateKeys, agent: Agent
 ) -> tuple[Array, Losses]:
     """The critics', the actor's and the temperature's losses at the networks as the update found
     them, each differentiated in its own parameters only: their sum's gradient is the three
@@ -430,6 +448,7 @@ def sac_loss(
     parts = agent.unravel(params)
     fixed = jax.lax.stop_gradient
     alpha = jnp.exp(parts["log_alpha"])
+    noise = jax.random.normal(keys.noise, (2, *batch.action.shape))  # for the actor at s and s'
 
     # CRITICS: towards the soft TD target of a' ~ pi(s') and the target critics
     next_action, next_log_prob = agent.policy(fixed(parts["actor"]), batch.next_obs, noise[1])
@@ -459,16 +478,17 @@ def sac_loss(
     return critic + actor + temperature, losses
 
 
-def update(agent: Agent, buffer: Buffer, learner: Learner, keys: tuple) -> tuple[Learner, Losses]:
+def update(
+    agent: Agent, buffer: Buffer, learner: Learner, keys: UpdateKeys, progress: Array
+) -> tuple[Learner, Losses]:
     """One SAC update on a batch from the buffer: one gradient, one Adam step for every
-    parameter, then the Polyak step of the target critics. keys: the batch's and the noise's."""
-    key_batch, key_noise = keys
-    batch = buffer_sample(buffer, key_batch, agent.config.batch_size)
-    noise = jax.random.normal(key_noise, (2, *batch.action.shape))  # for the actor at s and s'
+    parameter, then the Polyak step of the target critics. progress: the share of the run's
+    updates done."""
+    batch = buffer_sample(buffer, keys.batch, agent.config.batch_size)
     loss_grad = jax.value_and_grad(sac_loss, has_aux=True)
-    (_, losses), grads = loss_grad(learner.params, learner.target_critics, batch, noise, agent)
+    (_, losses), grads = loss_grad(learner.params, learner.target_critics, batch, keys, agent)
     updates, opt_state = agent.optimizer.update(grads, learner.opt_state)
-    params = learner.params - agent.step_sizes() * updates
+    params = learner.params - agent.step_sizes(progress) * updates
     critics = params[agent.critic_part]
     target_critics = optax.incremental_update(critics, learner.target_critics, agent.config.tau)
     return Learner(params=params, target_critics=target_critics, opt_state=opt_state), losses
@@ -486,6 +506,7 @@ def make_train(config: Config):
     step_envs = jax.vmap(env.step, in_axes=(0, 0, 0, None))
     agent = make_agent(config)
     warm_up = math.ceil(config.learning_starts / num_envs)  # iterations before the first update
+    learning_iterations = num_chunks * iterations_per_chunk - warm_up  # the step sizes' schedule
 
     def init(key: PRNGKey) -> TrainState:
         """Fresh networks, optimiser and envs, and an empty buffer."""
@@ -515,19 +536,24 @@ def make_train(config: Config):
             env_steps=jnp.int32(0),
         )
 
-    def learn(learner: Learner, buffer: Buffer, keys: tuple) -> tuple[Learner, Losses]:
+    def learn(
+        learner: Learner, buffer: Buffer, keys: UpdateKeys, index: Array
+    ) -> tuple[Learner, Losses]:
         """updates_per_step updates in a row; their losses averaged."""
+        progress = (index - warm_up) / learning_iterations  # the run's updates done, as a share
         if config.updates_per_step == 1:  # (a scan of one step still costs copies of its carry)
-            return update(agent, buffer, learner, keys)
+            return update(agent, buffer, learner, keys, progress)
         keys = jax.tree.map(lambda key: jax.random.split(key, config.updates_per_step), keys)
-        learner, losses = jax.lax.scan(functools.partial(update, agent, buffer), learner, keys)
+        one_update = functools.partial(update, agent, buffer, progress=progress)
+        learner, losses = jax.lax.scan(one_update, learner, keys)
         return learner, jax.tree.map(jnp.mean, losses)
 
     def iteration(carry: tuple[TrainState, Totals], index: Array):
         """Step every env, store the transitions, then update once past the warm-up."""
         state, totals = carry
-        keys = jax.random.split(jax.random.fold_in(state.key, index), 4)
-        key_action, key_envs, key_batch, key_noise = keys
+        draws = 2 + len(dataclasses.fields(UpdateKeys))  # the action's, the envs' and the update's
+        keys = jax.random.split(jax.random.fold_in(state.key, index), draws)
+        key_action, key_envs, *update_keys = keys
         learning = index >= warm_up
 
         # COLLECT: the policy's actions, or uniformly random ones during the warm-up
@@ -555,7 +581,7 @@ def make_train(config: Config):
 
         # UPDATE NETWORKS, in the warm-up too but then dropped: a select where a branch would
         # cost more operations on every iteration than the warm-up's work (docs/sac.md)
-        learned, losses = learn(state.learner, buffer, (key_batch, key_noise))
+        learned, losses = learn(state.learner, buffer, UpdateKeys(*update_keys), index)
         learner = jax.tree.map(functools.partial(jnp.where, learning), learned, state.learner)
 
         state = state.replace(

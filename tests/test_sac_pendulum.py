@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import XLA_DEFAULT, forced_cpu_devices, in_process, run_script
+from flax import struct
 
 import envs
 import sac_pendulum as sac
@@ -190,11 +191,12 @@ def test_the_summed_loss_gives_each_part_its_own_gradient():
     init, _, _ = sac.make_train(TINY)
     learner = jax.jit(init)(jax.random.key(0)).learner
     batch = transitions(np.arange(1.0, 17.0)).replace(terminated=jnp.zeros(16))
-    noise = jax.random.normal(jax.random.key(1), (2, 16, 1))
+    keys = sac.UpdateKeys(batch=jax.random.key(0), noise=jax.random.key(1))
+    noise = jax.random.normal(keys.noise, (2, 16, 1))  # as sac_loss draws it
 
     @jax.jit
     def gradients(params, target_critics):
-        grads = jax.grad(lambda p: sac.sac_loss(p, target_critics, batch, noise, agent)[0])(params)
+        grads = jax.grad(lambda p: sac.sac_loss(p, target_critics, batch, keys, agent)[0])(params)
         parts = agent.unravel(params)
         alpha = jnp.exp(parts["log_alpha"])
         next_action, next_log_prob = agent.policy(parts["actor"], batch.next_obs, noise[1])
@@ -776,6 +778,48 @@ def test_policy_and_q_rates_are_separate_and_no_autotune_fixes_alpha():
     assert not np.allclose(state.learner.params, start.learner.params)  # the actor learned
     learning = np.isfinite(metrics.alpha)
     np.testing.assert_allclose(metrics.alpha[learning], 0.3, rtol=1e-6)
+
+
+def test_step_sizes_hold_then_decay_linearly_to_their_share():
+    """Each part's Adam step size (the actor's --policy-lr, the critics' and alpha's --q-lr)
+    stays until --lr-decay-start of the run's updates, then falls linearly to --lr-decay-to of
+    itself at the end; --lr-decay-start 1 keeps it constant."""
+    config = dataclasses.replace(
+        TINY, policy_lr=2e-3, q_lr=4e-3, lr_decay_start=0.6, lr_decay_to=0.1
+    )
+    agent = sac.make_agent(config)
+    actor, critics, alpha = np.split(
+        np.arange(sum(agent.part_sizes)), np.cumsum(agent.part_sizes)[:-1]
+    )
+    for progress, share in [(0.0, 1.0), (0.6, 1.0), (0.8, 0.55), (1.0, 0.1)]:
+        sizes = np.asarray(agent.step_sizes(jnp.float32(progress)))
+        np.testing.assert_allclose(sizes[actor], 2e-3 * share, rtol=1e-5)
+        np.testing.assert_allclose(sizes[np.concatenate([critics, alpha])], 4e-3 * share, rtol=1e-5)
+    constant = sac.make_agent(dataclasses.replace(config, lr_decay_start=1.0))
+    np.testing.assert_allclose(constant.step_sizes(jnp.float32(0.99))[actor], 2e-3, rtol=1e-6)
+
+
+def test_a_new_random_draw_of_the_update_is_one_field_of_update_keys(monkeypatch):
+    """A copy that needs one more draw in the update (REDQ's critic subset, say) adds a field to
+    UpdateKeys and uses it by name: the iteration splits one key more, and nothing else changes."""
+
+    @struct.dataclass
+    class ThreeKeys:
+        batch: jax.Array
+        noise: jax.Array
+        subset: jax.Array
+
+    drawn = []
+    sac_loss = sac.sac_loss
+
+    def loss_with_a_subset(params, target_critics, batch, keys, agent):
+        drawn.append(jax.random.randint(keys.subset, (), 0, 2))  # the new draw, by name
+        return sac_loss(params, target_critics, batch, keys, agent)
+
+    monkeypatch.setattr(sac, "UpdateKeys", ThreeKeys)
+    monkeypatch.setattr(sac, "sac_loss", loss_with_a_subset)
+    state, metrics = jax.jit(sac.make_train(TINY)[2])(jax.random.key(0))
+    assert drawn and np.isfinite(metrics.critic_loss[-1])
 
 
 class FloatBox:
