@@ -1248,9 +1248,8 @@ def non_finite(grid: list[Point], metrics: Metrics, new_rows: list[dict], chunk:
 
 def train_and_log(
     config: Config, options: Options, runs: tuple, out: Path, saved: dict | None, stop: list[int]
-) -> tuple[list[Params], dict]:
-    """All runs' chunk as one program, states donated; the next dispatched before this is logged.
-    Returns every run's parameter trees (trained_params) and the run's figures."""
+) -> tuple[list[TrainState], dict]:
+    """All runs' chunk as one program, states donated; the next dispatched before this is logged."""
     grid, configs, keys, values, tracking = runs  # by structure: configs, keys and floats
     start = time.perf_counter()
     sharding = keys[0]["train"].sharding
@@ -1340,7 +1339,7 @@ def train_and_log(
     for writer in writers:
         writer.close()
     train_seconds = rows[-1]["wall_seconds"]  # at the last chunk's end, before the last drawing
-    return parameter_trees(values, states), {
+    return states, {
         "train_seconds": train_seconds,
         "compile_seconds": compile_seconds,
         "env_steps": rows[-1]["env_steps"],
@@ -1435,15 +1434,23 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     ids = json.loads(saved.get("wandb", "[]")) if options.resume else []  # W&B's runs go on
     tracking = start_tracking(config, options, grid, out, ids)
     if options.eval_only:
-        params = jax.device_put(saved["params"], sharding)
+        held = jax.device_put(saved["params"], sharding)  # the model's parameter trees
         summary = {"model": str(path), "stopped_early": False, "exit_status": 0}
     else:
         runs = (grid, configs, keys, values, tracking)
-        params, summary = train_and_log(config, options, runs, out, saved, stop)
+        held, summary = train_and_log(config, options, runs, out, saved, stop)  # train states
 
-    evaluate = over_structures(lambda c: make_evaluate(c, options.eval_episodes), configs)
-    evaluate = jax.jit(evaluate, **RUN_ONCE)
-    evaluation = fetch(evaluate(values, params, [run_keys["evaluate"] for run_keys in keys]))
+    def evaluated(config: Config) -> Callable:  # one program: no compile for the trees alone
+        def run(held: Any, key: PRNGKey) -> tuple:  # a run's parameter tree, its evaluation
+            params = held if options.eval_only else trained_params(config, held)
+            return params, make_evaluate(config, options.eval_episodes)(params, key)
+
+        return run
+
+    evaluate = jax.jit(over_structures(evaluated, configs), **RUN_ONCE)
+    done = evaluate(values, held, [run_keys["evaluate"] for run_keys in keys])
+    params = [tree for tree, _ in done]
+    evaluation = fetch([result for _, result in done])
     evaluation = jax.tree.map(lambda *parts: np.concatenate(parts).mean(axis=1), *evaluation)
     saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():
