@@ -880,28 +880,24 @@ def seed_keys(config: Config, num_points: int = 1) -> dict[str, PRNGKey]:
     return {"train": keys[:, 0], "evaluate": keys[:, 1], "render": keys[:, 2]}
 
 
-def over_structures(make: Callable, configs: list[Config], chunk: bool = False) -> Callable:
-    """make(config)'s function over every structure's runs (their float values its first argument,
-    a chunk's index last, one for all), as one program once jitted: lists in and out."""
+def over_structures(function: Callable, configs: list[Config]) -> Callable:
+    """function(config, *inputs) over every structure's runs (their float values the first input),
+    as one program once jitted: lists in and out, a structure's each."""
 
     def run(config: Config, values: Point, *inputs: Any) -> Any:
-        return make(with_values(config, values))(*inputs)
+        return function(with_values(config, values), *inputs)
 
     def every_structure(*args: list) -> list:
         return [
-            jax.vmap(functools.partial(run, config), (0, 0, None) if chunk else 0)(*inputs)
+            jax.vmap(functools.partial(run, config))(*inputs)
             for config, *inputs in zip(configs, *args, strict=True)
         ]
 
     return every_structure
 
 
-def initial(config: Config) -> Callable:
-    return make_train(config)[0]  # a run's init(key) -> its train state
-
-
-def parameters(config: Config) -> Callable:
-    return functools.partial(trained_params, config)  # a run's state -> its parameter tree
+def initial(config: Config, key: PRNGKey) -> TrainState:
+    return make_train(config)[0](key)  # a run's train state, as init makes it
 
 
 # ---- outputs: files, curves, the GIF, model.msgpack and checkpoint.msgpack ----
@@ -1261,12 +1257,15 @@ def train_and_log(
 
     def run_chunks(values: list[Point], states: list[TrainState], chunk: Array) -> tuple:
         """Every structure's chunk: (the states, every run's metrics, in grid order)."""
-        run_chunk = over_structures(lambda config: make_train(config)[1], configs, chunk=True)
-        done = run_chunk(values, states, [chunk] * len(configs))
+
+        def run_chunk(config: Config, state: TrainState) -> tuple:  # the chunk's index: one for all
+            return make_train(config)[1](state, chunk)
+
+        done = over_structures(run_chunk, configs)(values, states)
         metrics = jax.tree.map(lambda *parts: jnp.concatenate(parts), *[m for _, m in done])
         return [state for state, _ in done], metrics
 
-    parameter_trees = jax.jit(over_structures(parameters, configs), **RUN_ONCE)
+    parameter_trees = jax.jit(over_structures(trained_params, configs), **RUN_ONCE)
     run_chunks = jax.jit(run_chunks, out_shardings=sharding, donate_argnums=1)
     level = {"xla_backend_optimization_level": 2} if jax.default_backend() == "cpu" else None
     run_chunks = run_chunks.lower(values, states, np.int32(0)).compile(compiler_options=level)
@@ -1402,7 +1401,7 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         train_keys = [run_keys["train"] for run_keys in keys]
         layout = jax.eval_shape(over_structures(initial, configs), values, train_keys)
         if options.eval_only:  # --load-model: the parameter trees alone
-            layout = jax.eval_shape(over_structures(parameters, configs), values, layout)
+            layout = jax.eval_shape(over_structures(trained_params, configs), values, layout)
         physics = [f"--{n.replace('_', '-')}" for n in sorted(options.typed) if n[:4] == "env."]
         flag = "--resume" if options.resume else "--load-model"
         where = " with ".join([f"{flag} {path}", *physics])
@@ -1440,12 +1439,9 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         runs = (grid, configs, keys, values, tracking)
         held, summary = train_and_log(config, options, runs, out, saved, stop)  # train states
 
-    def evaluated(config: Config) -> Callable:  # one program: no compile for the trees alone
-        def run(held: Any, key: PRNGKey) -> tuple:  # a run's parameter tree, its evaluation
-            params = held if options.eval_only else trained_params(config, held)
-            return params, make_evaluate(config, options.eval_episodes)(params, key)
-
-        return run
+    def evaluated(config: Config, held: Any, key: PRNGKey) -> tuple:  # the trees too: no compile
+        params = held if options.eval_only else trained_params(config, held)  # of their own
+        return params, make_evaluate(config, options.eval_episodes)(params, key)
 
     evaluate = jax.jit(over_structures(evaluated, configs), **RUN_ONCE)
     done = evaluate(values, held, [run_keys["evaluate"] for run_keys in keys])
