@@ -904,13 +904,12 @@ def check_options(options: Options) -> None:
     host, _, port = (options.coordinator_address or "host:1").rpartition(":")
     address_ok = bool(host) and port.isdigit() and 0 < int(port) < 2**16
     require(address_ok, "coordinator_address", "HOST:PORT", options.coordinator_address)
-    if options.track and importlib.util.find_spec("tensorboardX") is None:
-        raise UsageError("--track needs tensorboardX: pip install tensorboardX")
     tracked = options.track and options.wandb_project_name
     if (options.wandb_project_name or options.wandb_entity) and not tracked:
         raise UsageError("--wandb-project-name NAME (and --wandb-entity) go with --track")
-    if options.wandb_project_name and importlib.util.find_spec("wandb") is None:
-        raise UsageError("--wandb-project-name needs wandb: pip install wandb")
+    for flag, package in (("track", "tensorboardX"), ("wandb_project_name", "wandb")):  # optional
+        if getattr(options, flag) and importlib.util.find_spec(package) is None:
+            raise UsageError(f"--{flag.replace('_', '-')} needs {package}: pip install {package}")
 
 
 # LLVM -O1 for what runs once (seed keys, init, the evaluation): less compile than the default,
@@ -1219,11 +1218,10 @@ def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Confi
         raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
     ours = flatten_dict(dataclasses.asdict(config), sep=".")  # command-line names: env.<name>
     fields = flatten_dict(saved, sep=".")
-    if unknown := ", ".join(sorted(fields.keys() - ours.keys())):  # (a field it lacks: our default)
+    if unknown := ", ".join(sorted(fields.keys() - ours.keys())):
         raise UsageError(f"{flag} {path}: its config has {unknown}, which this {SCRIPT} has not")
-    env = saved.pop("env")
-    saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
-    saved = Config(**saved, env=EnvConfig(**env))
+    fields = {name: tuple(v) if isinstance(v, list) else v for name, v in fields.items()}  # JSON's
+    saved = with_values(Config(), fields)  # a field it lacks: this script's default
     theirs = flatten_dict(dataclasses.asdict(saved), sep=".")
     changed = {n: v for n, v in ours.items() if n in options.typed and v != theirs[n]}
     for name, value in changed.items():  # --load-model: other physics; --resume: more env steps
@@ -1622,9 +1620,8 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         if run == 0 and options.capture_gif and frames is not None:  # (start_tracking's import)
             wandb_run.log({"policy": sys.modules["wandb"].Video(str(out / "policy.gif"))})
         wandb_run.finish()
-    kept = summary["stopped_early"] or options.keep_checkpoint
-    if not kept and (out / "checkpoint.msgpack").exists():
-        (out / "checkpoint.msgpack").unlink()  # a finished run has nothing to resume
+    if not (summary["stopped_early"] or options.keep_checkpoint):  # nothing to resume
+        (out / "checkpoint.msgpack").unlink(missing_ok=True)
     num_runs = len(returns)
     mean, mean_ci, iqm, iqm_ci = report_cells(overall)
     spread = f"{mean} (population std of {num_runs} runs), 95% CI {mean_ci}; IQM {iqm}"
