@@ -987,16 +987,15 @@ def gif(frames: np.ndarray, seconds_per_frame: float, caption: str) -> bytes:
 
 
 def interval(runs: np.ndarray, statistic: Callable, resamples: int = 50_000) -> list | None:
-    """The 95% percentile-bootstrap interval of `statistic` over the runs (the last axis), as
+    """The 95% percentile-bootstrap interval of `statistic` over the runs (the first axis), as
     rliable estimates it (one task: its stratified bootstrap resamples the runs), from a fixed
     seed so that a report is reproducible; None, no interval, with fewer than 3 runs."""
-    if runs.shape[-1] < 3:
+    if len(runs) < 3:
         return None
     from scipy import stats  # here: 0.6 s to import, needed once a run has rows to report
 
-    rng = np.random.default_rng(0)
     found = stats.bootstrap(
-        (runs,), statistic, n_resamples=resamples, axis=-1, method="percentile", rng=rng
+        (runs,), statistic, n_resamples=resamples, method="percentile", rng=np.random.default_rng(0)
     )
     return list(found.confidence_interval)  # [low, high]
 
@@ -1057,7 +1056,7 @@ def draw_curves(figure: Any, config: Config, grid: list[Point], rows: list[dict]
             low, high = runs.min(axis=1), runs.max(axis=1)
             axis.fill_between(at, low, high, color=line.get_color(), alpha=0.12, label=band)
             whole = ~np.ma.getmaskarray(runs).any(axis=1)  # the chunks where every seed has one
-            if whole.any() and (bounds := interval(runs[whole].data, np.mean, 2_000)):
+            if whole.any() and (bounds := interval(runs[whole].data.T, np.mean, 2_000)):
                 band = "95% interval of the mean over seeds (bootstrap)" if named else None
                 axis.fill_between(at[whole], *bounds, color=line.get_color(), alpha=0.3, label=band)
         axis.xaxis.set_major_formatter(EngFormatter(sep=""))  # 1.2M: long numbers collide
@@ -1280,12 +1279,12 @@ def train_and_log(
     """All runs' chunk as one program, states donated; the next dispatched before this is logged."""
     grid, configs, keys, values, tracking = runs  # by structure: configs, keys and floats
     start = time.perf_counter()
-    sharding = keys[0]["train"].sharding
+    sharding = keys["train"][0].sharding
     if saved:  # the saved states, each run's part on its device (no fresh state made first)
         states = jax.device_put(saved["state"], sharding)
     else:
         init = jax.jit(over_structures(initial, configs), out_shardings=sharding, **RUN_ONCE)
-        states = init(values, [run_keys["train"] for run_keys in keys])
+        states = init(values, keys["train"])
 
     def run_chunks(values: list[Point], states: list[TrainState], chunk: Array) -> tuple:
         """Every structure's chunk: (the states, every run's metrics, in grid order)."""
@@ -1312,7 +1311,7 @@ def train_and_log(
     writers, wandb_runs = tracking  # --track: each run's, on process 0
     columns = ("updates", "wall_seconds", "sps", *METRIC_COLUMNS)  # logged at their env steps
     figure = None  # made when first drawn: matplotlib is slow to import
-    first, render_key = with_values(configs[0], grid[0]), first_run(keys[0]["render"])  # --live
+    first, render_key = with_values(configs[0], grid[0]), first_run(keys["render"][0])  # --live
     drawn = time.perf_counter()
     stop_on_signals(stop)  # (until here, a Ctrl-C aborts: compiling cannot be stopped)
     start = time.perf_counter() - (rows[-1]["wall_seconds"] if rows else 0.0)
@@ -1344,10 +1343,9 @@ def train_and_log(
                 writer.add_scalar(name, row[name], row["env_steps"])
         for wandb_run, row in zip(wandb_runs, new_rows, strict=False):
             wandb_run.log({name: row[name] for name in columns}, step=row["env_steps"])
-        problem = non_finite(grid, metrics, new_rows, chunk + 1)
         if is_lead():  # process 0 writes and draws
             write_atomic(out / "metrics.csv", csv_text(rows))
-        if problem:  # every process has every run's metrics: they all stop here
+        if problem := non_finite(grid, metrics, new_rows, chunk + 1):  # every process stops here
             if is_lead():
                 print(f"{problem} (the files in {out} hold the chunks so far)", file=sys.stderr)
             sys.exit(1)
@@ -1426,12 +1424,11 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     divides = f"such that the {size} runs divide over the {len(devices)} devices"
     require(size % len(devices) == 0, "num_seeds", divides, config.num_seeds)
     sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
-    keys = [jax.tree.map(np.asarray, seed_keys(config, len(floats)))] * len(shapes)
+    keys = jax.tree.map(lambda key: [np.asarray(key)] * len(shapes), seed_keys(config, len(floats)))
     values = {name: np.float32([point[name] for point in floats]) for name in floats[0]}
     values = [jax.tree.map(lambda floats: floats.repeat(config.num_seeds), values)] * len(shapes)
     if saved:  # the file's trees, as init makes them
-        train_keys = [run_keys["train"] for run_keys in keys]
-        layout = jax.eval_shape(over_structures(initial, configs), values, train_keys)
+        layout = jax.eval_shape(over_structures(initial, configs), values, keys["train"])
         if options.eval_only:  # --load-model: the parameter trees alone
             layout = jax.eval_shape(over_structures(trained_params, configs), values, layout)
         physics = [f"--{n.replace('_', '-')}" for n in sorted(options.typed) if n[:4] == "env."]
@@ -1449,7 +1446,11 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
             out = Path(tempfile.mkdtemp(prefix=f"{prefix}{int(time.time())}_", dir=out))
         if any(out.iterdir()) and not (options.overwrite or options.resume):
             raise UsageError(f"--output-dir {out} holds files: --overwrite writes there")
-    if not is_lead():
+        written = dataclasses.asdict(config)  # --eval-only: the fields the model has
+        if options.eval_only:
+            written = {name: written[name] for name in json.loads(saved["config"])}
+        write_atomic(out / "config.json", json.dumps(written, indent=2))
+    else:
         print(f"{SCRIPT}: process {jax.process_index()}, a worker; process 0 writes", flush=True)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # process 0 speaks
     keys, values = jax.device_put((keys, values), sharding)  # each process its runs'
@@ -1457,11 +1458,6 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     shown = f"{runs_text(config, grid)} x {config.num_envs} envs on {len(devices)} device(s)"
     where = f"({devices[0].device_kind}), {jax.process_count()} process(es)"
     print(f"{SCRIPT}: {env_name(config)}, {shown} {where}; compile cache: {compile_cache}")
-    written = dataclasses.asdict(config)  # --eval-only: the fields the model has
-    if options.eval_only:
-        written = {name: written[name] for name in json.loads(saved["config"])}
-    if is_lead():
-        write_atomic(out / "config.json", json.dumps(written, indent=2))
     ids = json.loads(saved.get("wandb", "[]")) if options.resume else []  # W&B's runs go on
     tracking = start_tracking(config, options, grid, out, ids)
     if options.eval_only:
@@ -1476,15 +1472,12 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         return params, make_evaluate(config, options.eval_episodes)(params, key)
 
     evaluate = jax.jit(over_structures(evaluated, configs), **RUN_ONCE)
-    done = evaluate(values, held, [run_keys["evaluate"] for run_keys in keys])
-    params = [tree for tree, _ in done]
-    evaluation = fetch([result for _, result in done])
+    params, evaluation = zip(*fetch(evaluate(values, held, keys["evaluate"])), strict=True)
     evaluation = jax.tree.map(lambda *parts: np.concatenate(parts).mean(axis=1), *evaluation)
-    saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():
         sys.exit(summary["exit_status"])  # process 0 writes the outputs
-    if saved_params is not None:
-        write_atomic(out / "model.msgpack", checkpoint(config, grid, saved_params, {}))
+    if options.save_model and not options.eval_only:
+        write_atomic(out / "model.msgpack", checkpoint(config, grid, list(params), {}))
     returns = evaluation["episode_return"]
     extras = [name for name in evaluation if name != "episode_return"]  # swing-up's upright, say
     bar = solved_return(config)
@@ -1511,7 +1504,8 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     if options.capture_gif:  # after the model and the summary: an env may have no renderer
         first = with_values(configs[0], grid[0])
-        frames = render_policy(first, first_run(params[0]), first_run(keys[0]["render"]))
+        policy = jax.tree.map(lambda x: x[0], params[0])  # the first run's (fetched above)
+        frames = render_policy(first, policy, first_run(keys["render"][0]))
         caption = f"{SCRIPT}, seed {config.seed} {describe(grid[0])}: return {returns[0]:.1f}"
         if frames is not None:
             write_atomic(out / "policy.gif", gif(frames, jitted_render(first)[1], caption))
