@@ -1047,36 +1047,35 @@ def start_tracking(config: Config, options: Options, grid: list[Point], out: Pat
     """--track, on process 0: a TensorBoard writer per run (training only) and, with
     --wandb-project-name, a W&B run per run: its config as run (its seed, its grid point's
     values), grouped by grid point of this command; --resume goes on with the same W&B runs."""
-    if not (options.track and is_lead()):
-        return [], []
-    seeds = range(config.seed, config.seed + config.num_seeds)
-    runs = [(point, seed) for point in grid for seed in seeds]
+    runs = [(point, config.seed + i) for point in grid for i in range(config.num_seeds)]
     names = ["_".join([f"seed{seed}", *describe(point).split()]) for point, seed in runs]
-    writers, wandb_runs = [], []
-    if not options.eval_only:
+    writers = []
+    if options.track and is_lead() and not options.eval_only:
         from tensorboardX import SummaryWriter  # optional: check_options found it installed
 
         writers = [SummaryWriter(str(out / "tensorboard" / name)) for name in names]
-    if options.wandb_project_name:
-        import wandb  # optional, as tensorboardX is
+    if not (options.wandb_project_name and is_lead()):  # (check_options: only with --track)
+        return writers, []
+    import wandb  # optional, as tensorboardX is
 
-        for (point, seed), name, run_id in zip(runs, names, ids or [None] * len(runs), strict=True):
-            wandb_run = wandb.init(
-                project=options.wandb_project_name,
-                entity=options.wandb_entity,
-                dir=out,
-                id=run_id,  # None: a new run
-                resume="must" if ids else None,  # --resume: the stopped run's W&B runs
-                name=f"{out.name}/{name}",
-                group=f"{out.name} {describe(point)}".strip(),  # W&B draws a group's mean
-                job_type="eval" if options.eval_only else "train",
-                config=dataclasses.asdict(with_values(config, point)) | {"seed": seed},
-                reinit="create_new",  # every run at once in this process
-                settings=wandb.Settings(silent=True, console="off"),  # (one line for all, below)
-            )
-            wandb_runs.append(wandb_run)
-        where = out / "wandb" if wandb_runs[0].offline else wandb_runs[0].project_url
-        print(f"{SCRIPT}: W&B: {len(wandb_runs)} runs in {where}", flush=True)
+    wandb_runs = [
+        wandb.init(
+            project=options.wandb_project_name,
+            entity=options.wandb_entity,
+            dir=out,
+            id=run_id,  # None: a new run
+            resume="must" if ids else None,  # --resume: the stopped run's W&B runs
+            name=f"{out.name}/{name}",
+            group=f"{out.name} {describe(point)}".strip(),  # W&B draws a group's mean
+            job_type="eval" if options.eval_only else "train",
+            config=dataclasses.asdict(with_values(config, point)) | {"seed": seed},
+            reinit="create_new",  # every run at once in this process
+            settings=wandb.Settings(silent=True, console="off"),  # (one line for all, below)
+        )
+        for (point, seed), name, run_id in zip(runs, names, ids or [None] * len(runs), strict=True)
+    ]
+    where = out / "wandb" if wandb_runs[0].offline else wandb_runs[0].project_url
+    print(f"{SCRIPT}: W&B: {len(wandb_runs)} runs in {where}", flush=True)
     return writers, wandb_runs
 
 
@@ -1157,8 +1156,10 @@ def train_and_log(
     grid, configs, keys, values, tracking = runs  # by structure: configs, keys and floats
     start = time.perf_counter()
     sharding = keys["train"][0].sharding
+    num_chunks = chunk_sizes(configs[0])[1]  # (sweep_grid: every structure's the same)
     if saved:  # the saved states, each run's part on its device (no fresh state made first)
         states = jax.device_put(saved["state"], sharding)
+        print(f"{SCRIPT}: resumed at chunk {saved['chunk']} of {num_chunks} in {out}", flush=True)
     else:
         init = jax.jit(over_structures(initial, configs), out_shardings=sharding, **RUN_ONCE)
         states = init(values, keys["train"])
@@ -1181,10 +1182,7 @@ def train_and_log(
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
     rows = json.loads(saved["rows"]) if saved else []
     first_chunk = saved["chunk"] if saved else 0
-    num_chunks = chunk_sizes(configs[0])[1]  # (sweep_grid: every structure's the same)
     num_runs = len(grid) * config.num_seeds
-    if saved:
-        print(f"{SCRIPT}: resumed at chunk {first_chunk} of {num_chunks} in {out}", flush=True)
     writers, wandb_runs = tracking  # --track: each run's, on process 0
     columns = ("updates", "wall_seconds", "sps", *METRIC_COLUMNS)  # logged at their env steps
     figure = None  # made when first drawn: matplotlib is slow to import
