@@ -956,7 +956,7 @@ def interval(runs: np.ndarray, statistic: Callable, resamples: int = 50_000) -> 
     seed so that a report is reproducible; None, no interval, with fewer than 3 runs."""
     if len(runs) < 3:
         return None
-    from scipy import stats  # here: 0.6 s to import, needed once a run has rows to report
+    from scipy import stats  # here: it is slow to import
 
     found = stats.bootstrap(
         (runs,), statistic, n_resamples=resamples, method="percentile", rng=np.random.default_rng(0)
@@ -967,11 +967,9 @@ def interval(runs: np.ndarray, statistic: Callable, resamples: int = 50_000) -> 
 def estimates(returns: np.ndarray) -> dict:
     """Mean, population std and IQM over runs, and the 95% intervals of the mean and of the IQM
     (rliable's IQM: scipy's trim_mean of a quarter each side; of < 4 runs it trims none)."""
-    iqm = np.mean
-    if len(returns) > 3:
-        from scipy import stats
+    from scipy import stats  # (0.5 s to import, once a run is evaluated)
 
-        iqm = functools.partial(stats.trim_mean, proportiontocut=0.25)
+    iqm = functools.partial(stats.trim_mean, proportiontocut=0.25)
     report = {"mean": returns.mean(), "std": returns.std(), "iqm": iqm(returns)}
     return report | {"mean_ci": interval(returns, np.mean), "iqm_ci": interval(returns, iqm)}
 
@@ -1132,8 +1130,8 @@ def first_run(tree: Any) -> Any:
 
 def start_tracking(config: Config, options: Options, grid: list[Point], out: Path, ids: list):
     """--track, on process 0: a TensorBoard writer per run (training only) and, with
-    --wandb-project-name, a W&B run per run: its config as run (its seed, its grid point's
-    values), grouped by grid point of this command; --resume goes on with the same W&B runs."""
+    --wandb-project-name, a W&B run per run (quiet: one line for all): its config as run (its
+    seed, its grid point's values), grouped by grid point of this command; --resume goes on."""
     runs = [(point, config.seed + i) for point in grid for i in range(config.num_seeds)]
     names = ["_".join([f"seed{seed}", *describe(point).split()]) for point, seed in runs]
     writers = []
@@ -1156,8 +1154,7 @@ def start_tracking(config: Config, options: Options, grid: list[Point], out: Pat
             group=f"{out.name} {describe(point)}".strip(),  # W&B draws a group's mean
             job_type="eval" if options.eval_only else "train",
             config=dataclasses.asdict(with_values(config, point)) | {"seed": seed},
-            reinit="create_new",  # every run at once in this process
-            settings=wandb.Settings(silent=True, console="off"),  # (one line for all, below)
+            settings=wandb.Settings(reinit="create_new", silent=True, console="off"),  # all at once
         )
         for (point, seed), name, run_id in zip(runs, names, ids or [None] * len(runs), strict=True)
     ]
@@ -1440,15 +1437,15 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         sys.exit(summary["exit_status"])  # process 0 writes the outputs
     if options.save_model and not options.eval_only:
         write_atomic(out / "model.msgpack", checkpoint(config, grid, list(params), {}))
-    returns = evaluation["episode_return"]
+    returns = evaluation["episode_return"].astype(float)  # (JSON's floats)
     extras = [name for name in evaluation if name != "episode_return"]  # swing-up's upright, say
     bar = solved_return(config)
     sweep = [  # per grid point: its values, its seeds' returns, their statistics, the solved share
         {**point, "final_returns": seeds.tolist(), **estimates(seeds)}
         | {"solved_fraction": (seeds >= bar).mean()}
-        for point, seeds in zip(grid, returns.reshape(len(grid), -1).astype(float), strict=True)
+        for point, seeds in zip(grid, returns.reshape(len(grid), -1), strict=True)
     ]
-    overall = estimates(returns.astype(float))  # over every run
+    overall = estimates(returns)  # over every run
     summary = {
         "env": env_name(config),  # the task (compare.py compares runs of one)
         "final_returns": returns.tolist(),
