@@ -1070,15 +1070,14 @@ def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Confi
     flag = "--resume" if options.resume else "--load-model"
     try:
         payload = flax.serialization.msgpack_restore(path.read_bytes())
-        saved = json.loads(payload["config"])
+        fields = flatten_dict(json.loads(payload["config"]), sep=".")  # names as flags: env.<name>
     except Exception as error:  # whatever is wrong with the file, it is the same user error
         reason = getattr(error, "strerror", None) or "not a model or checkpoint file"
         raise UsageError(f"{flag} {path} is not a checkpoint of {SCRIPT} ({reason})") from None
     if payload["script"] != SCRIPT:
         found = f"a {payload['script']} checkpoint for {payload['env']}"
         raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
-    ours = flatten_dict(dataclasses.asdict(config), sep=".")  # command-line names: env.<name>
-    fields = flatten_dict(saved, sep=".")
+    ours = flatten_dict(dataclasses.asdict(config), sep=".")
     if unknown := ", ".join(sorted(fields.keys() - ours.keys())):
         raise UsageError(f"{flag} {path}: its config has {unknown}, which this {SCRIPT} has not")
     fields = {name: tuple(v) if isinstance(v, list) else v for name, v in fields.items()}  # JSON's
@@ -1125,7 +1124,7 @@ def first_run(tree: Any) -> Any:
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0], tree)
 
 
-# ---- watching a run: TensorBoard and Weights & Biases (--track) ----
+# ---- the training loop (a Ctrl-C or SIGTERM stops it after a chunk) and what watches it ----
 
 
 def start_tracking(config: Config, options: Options, grid: list[Point], out: Path, ids: list):
@@ -1161,9 +1160,6 @@ def start_tracking(config: Config, options: Options, grid: list[Point], out: Pat
     where = out / "wandb" if wandb_runs[0].offline else wandb_runs[0].project_url
     print(f"{SCRIPT}: W&B: {len(wandb_runs)} runs in {where}", flush=True)
     return writers, wandb_runs
-
-
-# ---- the training loop (a Ctrl-C or SIGTERM stops it after a chunk) ----
 
 
 def abort(signum: int, frame: Any) -> None:
