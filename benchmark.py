@@ -11,7 +11,7 @@
     python benchmark.py all --quick       # envs, train, seeds, solve and launch, short
     python benchmark.py peers             # PureJaxRL's PPO and rejax's SAC (--peers-path DIR)
     python benchmark.py gpu               # the GPU list of docs/benchmarks.md (a CPU: tiny)
-Rows merge into --output (docs/benchmarks.json) by ROW_KEY; envs, train, seeds draw a PNG too.
+Rows merge into --output by ROW_KEY (runs/benchmark__<time>/; --write-docs: docs/), PNGs beside.
 """
 
 import argparse
@@ -19,6 +19,7 @@ import collections
 import csv
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -387,15 +388,10 @@ def run_launch(args: argparse.Namespace, sides: tuple = ("cold", "warm")) -> lis
             row[name] = round(statistics.median(run[name] for run in runs["cold"]))
         row["solved_runs"] = sum(run["final_return_mean"] >= bar for run in runs["cold"])
         for name, values in runs["cold"][0].items():  # the script's other figures (Snake)
-            if name.startswith("final_") and isinstance(values, list) and name != "final_returns":
+            if name.startswith("final_") and isinstance(values, list) and "return" not in name:
                 row[name + "s"] = [round(statistics.mean(run[name]), 3) for run in runs["cold"]]
         rows.append(report(row | dict(extra_flags=args.flags)))
     return save(args, rows)
-
-
-def run_solve(args: argparse.Namespace) -> list[dict]:
-    """Each script's default run from an empty compile cache: launch to the solved bar."""
-    return run_launch(args, sides=("cold",))
 
 
 def run_versus(args: argparse.Namespace) -> list[dict]:
@@ -410,8 +406,7 @@ def run_versus(args: argparse.Namespace) -> list[dict]:
             for name, script in launches:
                 output = Path(temporary, f"{name}-{script}.json")  # the tree's own benchmark
                 command = [*DIE_WITH_PARENT, sys.executable, "benchmark.py", "train"]
-                command += ["--output", str(output), "--scripts", script, "--repeats", "5"]
-                command += ["--num-envs"]
+                command += [f"--output={output}", "--scripts", script, "--repeats=5", "--num-envs"]
                 subprocess.run([*command, *map(str, sizes[script])], check=True, cwd=trees[name])
                 for row in json.loads(output.read_text())["rows"]:
                     speeds[name, script, row["num_envs"]].append(row["steps_per_second"])
@@ -557,9 +552,9 @@ def run_plan(args: argparse.Namespace) -> None:
 
 
 # ---- command line: `benchmark.py envs` calls run_envs(args) ----
-RUNS = {run.__name__[4:]: run for run in (run_envs, run_train, run_seeds, run_solve, run_launch)}
-RUNS |= {run.__name__[4:]: run for run in (run_versus, run_sweep, run_distributed, run_peers)}
-RUNS |= {"all": run_plan, "gpu": run_plan}
+RUNS = {run.__name__[4:]: run for run in (run_envs, run_train, run_seeds, run_launch, run_versus)}
+RUNS |= {run.__name__[4:]: run for run in (run_sweep, run_distributed, run_peers)}
+RUNS |= {"all": run_plan, "gpu": run_plan, "solve": functools.partial(run_launch, sides=("cold",))}
 
 
 def main() -> None:
@@ -569,7 +564,10 @@ def main() -> None:
     )
     parser.add_argument("command", choices=RUNS, help="the benchmark (above)")
     parser.add_argument("baseline", nargs="?", help="versus: the other checkout")
-    parser.add_argument("--output", default="docs/benchmarks.json", help="the JSON file of rows")
+    mine = f"runs/benchmark__{int(time.time())}/benchmarks.json"  # a folder of its own, as a run's
+    parser.add_argument("--output", default=mine, help="the JSON file of rows, its PNGs beside it")
+    docs = os.path.join(REPO, "docs", "benchmarks.json")  # the published rows and plots
+    parser.add_argument("--write-docs", dest="output", action="store_const", const=docs, help=docs)
     parser.add_argument("--no-save", action="store_true", help="print only, write no file")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, runs and steps")
     parser.add_argument("--repeats", type=int, help="timed runs (5; train, seeds --quick: 3)")

@@ -285,9 +285,10 @@ class Metrics:
     params_finite: Array  # False once any parameter is NaN or inf
 
 
-def trained_params(state: TrainState) -> Array:
-    """What a checkpoint keeps and the evaluation reads: the parameter vector."""
-    return state.learner.params
+def trained_params(config: Config, state: TrainState) -> Params:
+    """What model.msgpack keeps and the evaluation reads: a run's parameters by network
+    ({"actor": ..., "critics": ..., "log_alpha": ...}); a checkpoint keeps the train state."""
+    return make_agent(config).unravel(state.learner.params)
 
 
 def td_target(
@@ -611,8 +612,8 @@ def make_deterministic_policy(config: Config):
     env, env_params = make_env(config)
     agent = make_agent(config)
 
-    def act(params: Array, obs: Array) -> Array:
-        mean, _ = agent.actor.apply(agent.unravel(params)["actor"], obs)
+    def act(params: Params, obs: Array) -> Array:
+        mean, _ = agent.actor.apply(params["actor"], obs)
         return agent.action_offset + agent.action_scale * jnp.tanh(mean)
 
     return env, env_params, act
@@ -723,11 +724,14 @@ class Options:
     plot: bool = True  # write curves.png (the metrics against env steps)
     plot_every: float = 15.0  # seconds between redraws of curves.png while training (0: at the end)
     checkpoint_every: int = 10_000_000  # env steps between checkpoints (whole chunks; 0: on a stop)
+    keep_checkpoint: bool = False  # keep the last checkpoint: --resume with more steps trains on
     resume: str | None = None  # a stopped run's folder: train on from its checkpoint, in it
     eval_only: bool = False  # evaluate and render the --load-model model; no training
     load_model: str | None = None  # a model.msgpack, or a run folder, for --eval-only
     live: bool = False  # a window with the curves and the first run's policy, after every chunk
     track: bool = False  # TensorBoard event files per run in tensorboard/ (needs tensorboardX)
+    wandb_project_name: str | None = None  # with --track: a W&B run per run too (needs wandb)
+    wandb_entity: str | None = None  # the W&B team or user of --wandb-project-name's runs
     compile_cache: bool = True  # JAX's persistent cache: $JAX_COMPILATION_CACHE_DIR or ours
     distributed: bool = False  # one program over several processes or hosts (docs/distributed.md)
     coordinator_address: str | None = None  # HOST:PORT of process 0 (unless a cluster is detected)
@@ -789,8 +793,12 @@ def check_options(options: Options) -> None:
     host, _, port = (options.coordinator_address or "host:1").rpartition(":")
     address_ok = bool(host) and port.isdigit() and 0 < int(port) < 2**16
     require(address_ok, "coordinator_address", "HOST:PORT", options.coordinator_address)
-    if options.track and importlib.util.find_spec("tensorboardX") is None:
-        raise UsageError("--track needs tensorboardX: pip install tensorboardX")
+    tracked = options.track and options.wandb_project_name
+    if (options.wandb_project_name or options.wandb_entity) and not tracked:
+        raise UsageError("--wandb-project-name NAME (and --wandb-entity) go with --track")
+    for flag, package in (("track", "tensorboardX"), ("wandb_project_name", "wandb")):  # optional
+        if getattr(options, flag) and importlib.util.find_spec(package) is None:
+            raise UsageError(f"--{flag.replace('_', '-')} needs {package}: pip install {package}")
 
 
 # LLVM -O1 for what runs once (seed keys, init, the evaluation): less compile than the default,
@@ -896,24 +904,24 @@ def seed_keys(config: Config, num_points: int = 1) -> dict[str, PRNGKey]:
     return {"train": keys[:, 0], "evaluate": keys[:, 1], "render": keys[:, 2]}
 
 
-def over_structures(make: Callable, configs: list[Config], chunk: bool = False) -> Callable:
-    """make(config)'s function over every structure's runs (their float values its first argument,
-    a chunk's index last, one for all), as one program once jitted: lists in and out."""
+def over_structures(function: Callable, configs: list[Config]) -> Callable:
+    """function(config, *inputs) over every structure's runs (their float values the first input),
+    as one program once jitted: lists in and out, a structure's each."""
 
     def run(config: Config, values: Point, *inputs: Any) -> Any:
-        return make(with_values(config, values))(*inputs)
+        return function(with_values(config, values), *inputs)
 
     def every_structure(*args: list) -> list:
         return [
-            jax.vmap(functools.partial(run, config), (0, 0, None) if chunk else 0)(*inputs)
+            jax.vmap(functools.partial(run, config))(*inputs)
             for config, *inputs in zip(configs, *args, strict=True)
         ]
 
     return every_structure
 
 
-def initial(config: Config) -> Callable:
-    return make_train(config)[0]  # a run's init(key) -> its train state
+def initial(config: Config, key: PRNGKey) -> TrainState:
+    return make_train(config)[0](key)  # a run's train state, as init makes it
 
 
 # ---- outputs: files, curves, the GIF, model.msgpack and checkpoint.msgpack ----
@@ -967,6 +975,38 @@ def gif(frames: np.ndarray, seconds_per_frame: float, caption: str) -> bytes:
     return data.getvalue()
 
 
+def interval(runs: np.ndarray, statistic: Callable, resamples: int = 50_000) -> list | None:
+    """The 95% percentile-bootstrap interval of `statistic` over the runs (the first axis), as
+    rliable estimates it (one task: its stratified bootstrap resamples the runs), from a fixed
+    seed so that a report is reproducible; None, no interval, with fewer than 3 runs."""
+    if len(runs) < 3:
+        return None
+    from scipy import stats  # here: it is slow to import
+
+    found = stats.bootstrap(
+        (runs,), statistic, n_resamples=resamples, method="percentile", rng=np.random.default_rng(0)
+    )
+    return list(found.confidence_interval)  # [low, high]
+
+
+def estimates(returns: np.ndarray) -> dict:
+    """Mean, population std and IQM over runs, and the 95% intervals of the mean and of the IQM
+    (rliable's IQM: scipy's trim_mean of a quarter each side; of < 4 runs it trims none)."""
+    from scipy import stats  # (0.5 s to import, once a run is evaluated)
+
+    iqm = functools.partial(stats.trim_mean, proportiontocut=0.25)
+    report = {"mean": returns.mean(), "std": returns.std(), "iqm": iqm(returns)}
+    return report | {"mean_ci": interval(returns, np.mean), "iqm_ci": interval(returns, iqm)}
+
+
+def report_cells(report: dict) -> list[str]:
+    """Mean ± std, the mean's 95% interval, the IQM and its 95% interval, as printed."""
+    mean = f"{report['mean']:.1f} ± {report['std']:.1f}"
+    bounds = [report["mean_ci"], report["iqm_ci"]]
+    bounds = [f"[{ci[0]:.1f}, {ci[1]:.1f}]" if ci else "none (< 3 runs)" for ci in bounds]
+    return [mean, bounds[0], f"{report['iqm']:.1f}", bounds[1]]
+
+
 def new_figure(live: bool) -> Any:
     """The curves' figure, with a policy row if --live: a window where there is a display."""
     import matplotlib.pyplot as plt  # here: it is slow to import
@@ -976,12 +1016,15 @@ def new_figure(live: bool) -> Any:
     figure = (plt.figure if window else plt.Figure)(figsize=size, layout="constrained")
     if window:
         plt.show(block=False)
+    elif live:  # matplotlib found no display (a server, ssh without X forwarding)
+        print(f"{SCRIPT}: --live: no display ({plt.get_backend()} backend): see curves.png")
     return figure
 
 
 def draw_curves(figure: Any, config: Config, grid: list[Point], rows: list[dict], frames) -> None:
     """Every metric against env steps (rows grid point major, then seed): per grid point the mean
-    over its seeds and their min-max band; below, where given, the middle frame of the policy."""
+    over its seeds, their min-max band and the 95% interval of the mean (2,000 draws a chunk);
+    below, where given, the middle frame of the policy."""
     from matplotlib.ticker import EngFormatter
 
     figure.clear()
@@ -995,9 +1038,14 @@ def draw_curves(figure: Any, config: Config, grid: list[Point], rows: list[dict]
         for point, runs, at in zip(grid, by_point, steps[:, :, 0].T, strict=True):
             seeds = f"mean of {runs.shape[1]} seeds" if runs.shape[1] > 1 else f"seed {config.seed}"
             line = axis.plot(at, runs.mean(axis=1), label=describe(point) or seeds)[0]
-            band = "min-max over seeds" if point is grid[0] and runs.shape[1] > 1 else None
+            named = point is grid[0] and runs.shape[1] > 1  # the bands' one legend entry each
+            band = "min-max over seeds" if named else None
             low, high = runs.min(axis=1), runs.max(axis=1)
-            axis.fill_between(at, low, high, color=line.get_color(), alpha=0.25, label=band)
+            axis.fill_between(at, low, high, color=line.get_color(), alpha=0.12, label=band)
+            whole = ~np.ma.getmaskarray(runs).any(axis=1)  # the chunks where every seed has one
+            if whole.any() and (bounds := interval(runs[whole].data.T, np.mean, 2_000)):
+                band = "95% interval of the mean over seeds (bootstrap)" if named else None
+                axis.fill_between(at[whole], *bounds, color=line.get_color(), alpha=0.3, label=band)
         axis.xaxis.set_major_formatter(EngFormatter(sep=""))  # 1.2M: long numbers collide
     bar = solved_return(config)
     figure.axes[0].axhline(bar, ls="--", c="gray", label=f"solved ({bar:g})")
@@ -1024,10 +1072,9 @@ def checkpoint(config: Config, grid: list[Point], params: Params, resume: dict) 
     return flax.serialization.msgpack_serialize(payload | flax.serialization.to_state_dict(resume))
 
 
-def restored(payload: dict, states: list[TrainState], resume: bool, where: str) -> dict:
-    """The file's parameters (to resume, train states too) as init makes them (`states`), or one
+def restored(payload: dict, layout: dict, where: str) -> dict:
+    """The file's train states (to resume) or parameter trees as init makes them (`layout`), or one
     line naming the first entry that differs (the file of an older version, or of another copy)."""
-    layout = {"params": list(map(trained_params, states))} | ({"state": states} if resume else {})
     if missing := [name for name in layout if name not in payload]:
         raise UsageError(f"{where} does not fit this {SCRIPT}: {missing[0]} is absent in the file")
     saved = flatten_dict({name: payload[name] for name in layout}, sep=".")
@@ -1036,7 +1083,8 @@ def restored(payload: dict, states: list[TrainState], resume: bool, where: str) 
     ours = {name: x.shape for name, x in ours.items() if x is not None}
     for name in sorted(saved.keys() | ours.keys()):
         if saved.get(name) != ours.get(name):
-            found = f"{name} is {saved.get(name, 'absent')} in the file, {ours.get(name)} here"
+            shapes = [shapes.get(name, "absent") for shapes in (saved, ours)]
+            found = f"{name} is {shapes[0]} in the file, {shapes[1]} here"
             raise UsageError(f"{where} does not fit this {SCRIPT}: {found}")
     return payload | flax.serialization.from_state_dict(layout, {n: payload[n] for n in layout})
 
@@ -1047,27 +1095,27 @@ def load_checkpoint(path: Path, config: Config, options: Options) -> tuple[Confi
     flag = "--resume" if options.resume else "--load-model"
     try:
         payload = flax.serialization.msgpack_restore(path.read_bytes())
-        saved = json.loads(payload["config"])
+        fields = flatten_dict(json.loads(payload["config"]), sep=".")  # names as flags: env.<name>
     except Exception as error:  # whatever is wrong with the file, it is the same user error
         reason = getattr(error, "strerror", None) or "not a model or checkpoint file"
         raise UsageError(f"{flag} {path} is not a checkpoint of {SCRIPT} ({reason})") from None
     if payload["script"] != SCRIPT:
         found = f"a {payload['script']} checkpoint for {payload['env']}"
         raise UsageError(f"{flag} {path} is {found}, not {SCRIPT}'s")
-    ours = flatten_dict(dataclasses.asdict(config), sep=".")  # command-line names: env.<name>
-    unknown = ", ".join(sorted(flatten_dict(saved, sep=".").keys() - ours.keys()))
-    if unknown:  # (a field it lacks takes this script's default)
+    ours = flatten_dict(dataclasses.asdict(config), sep=".")
+    if unknown := ", ".join(sorted(fields.keys() - ours.keys())):
         raise UsageError(f"{flag} {path}: its config has {unknown}, which this {SCRIPT} has not")
-    env = saved.pop("env")
-    saved = {name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()}
-    saved = Config(**saved, env=EnvConfig(**env))
+    fields = {name: tuple(v) if isinstance(v, list) else v for name, v in fields.items()}  # JSON's
+    saved = with_values(Config(), fields)  # a field it lacks: this script's default
     theirs = flatten_dict(dataclasses.asdict(saved), sep=".")
-    given = {name: value for name, value in ours.items() if name in options.typed}
-    physics = {name: v for name, v in given.items() if name[:4] == "env." and not options.resume}
-    for name, value in given.items():
-        if name not in physics and value != theirs[name]:
-            raise UsageError(f"--{name.replace('_', '-')} is set by the saved run; leave it out")
-    saved = with_values(saved, physics)  # (restored checks that they keep the networks' shapes)
+    changed = {n: v for n, v in ours.items() if n in options.typed and v != theirs[n]}
+    for name, value in changed.items():  # --load-model: other physics; --resume: more env steps
+        if name == "total_timesteps" and options.resume:
+            require(value > theirs[name], name, f">= {theirs[name]} (the saved run's)", value)
+        elif name[:4] != "env." or options.resume:
+            held = f"is {theirs[name]} in" if name in fields else "is not a field of"
+            raise UsageError(f"--{name.replace('_', '-')} {held} the saved run; leave it out")
+    saved = with_values(saved, changed)  # (restored checks that they keep the networks' shapes)
     validate(saved)  # the checkpoint's values meet this script's ranges too
     return saved, payload
 
@@ -1101,7 +1149,42 @@ def first_run(tree: Any) -> Any:
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0], tree)
 
 
-# ---- the training loop (a Ctrl-C or SIGTERM stops it after a chunk) ----
+# ---- the training loop (a Ctrl-C or SIGTERM stops it after a chunk) and what watches it ----
+
+
+def start_tracking(config: Config, options: Options, grid: list[Point], out: Path, ids: list):
+    """--track, on process 0: a TensorBoard writer per run (training only) and, with
+    --wandb-project-name, a W&B run per run (quiet: one line for all): its config as run (its
+    seed, its grid point's values), grouped by grid point of this command; --resume goes on."""
+    runs = [(point, config.seed + i) for point in grid for i in range(config.num_seeds)]
+    names = ["_".join([f"seed{seed}", *describe(point).split()]) for point, seed in runs]
+    writers = []
+    if options.track and is_lead() and not options.eval_only:
+        from tensorboardX import SummaryWriter  # optional: check_options found it installed
+
+        writers = [SummaryWriter(str(out / "tensorboard" / name)) for name in names]
+    if not (options.wandb_project_name and is_lead()):  # (check_options: only with --track)
+        return writers, []
+    import wandb  # optional, as tensorboardX is
+
+    wandb_runs = [
+        wandb.init(
+            project=options.wandb_project_name,
+            entity=options.wandb_entity,
+            dir=out,
+            id=run_id,  # None: a new run
+            resume="must" if ids else None,  # --resume: the stopped run's W&B runs
+            name=f"{out.name}/{name}",
+            group=f"{out.name} {describe(point)}".strip(),  # W&B draws a group's mean
+            job_type="eval" if options.eval_only else "train",
+            config=dataclasses.asdict(with_values(config, point)) | {"seed": seed},
+            settings=wandb.Settings(reinit="create_new", silent=True, console="off"),  # all at once
+        )
+        for (point, seed), name, run_id in zip(runs, names, ids or [None] * len(runs), strict=True)
+    ]
+    where = out / "wandb" if wandb_runs[0].offline else wandb_runs[0].project_url
+    print(f"{SCRIPT}: W&B: {len(wandb_runs)} runs in {where}", flush=True)
+    return writers, wandb_runs
 
 
 def abort(signum: int, frame: Any) -> None:
@@ -1175,22 +1258,28 @@ def train_and_log(
     config: Config, options: Options, runs: tuple, out: Path, saved: dict | None, stop: list[int]
 ) -> tuple[list[TrainState], dict]:
     """All runs' chunk as one program, states donated; the next dispatched before this is logged."""
-    grid, configs, keys, values = runs  # the grid, and by structure its config, keys and floats
+    grid, configs, keys, values, tracking = runs  # by structure: configs, keys and floats
     start = time.perf_counter()
-    sharding = keys[0]["train"].sharding
+    sharding = keys["train"][0].sharding
+    num_chunks = chunk_sizes(configs[0])[1]  # (sweep_grid: every structure's the same)
     if saved:  # the saved states, each run's part on its device (no fresh state made first)
         states = jax.device_put(saved["state"], sharding)
+        print(f"{SCRIPT}: resumed at chunk {saved['chunk']} of {num_chunks} in {out}", flush=True)
     else:
         init = jax.jit(over_structures(initial, configs), out_shardings=sharding, **RUN_ONCE)
-        states = init(values, [run_keys["train"] for run_keys in keys])
+        states = init(values, keys["train"])
 
     def run_chunks(values: list[Point], states: list[TrainState], chunk: Array) -> tuple:
         """Every structure's chunk: (the states, every run's metrics, in grid order)."""
-        run_chunk = over_structures(lambda config: make_train(config)[1], configs, chunk=True)
-        done = run_chunk(values, states, [chunk] * len(configs))
+
+        def run_chunk(config: Config, state: TrainState) -> tuple:  # the chunk's index: one for all
+            return make_train(config)[1](state, chunk)
+
+        done = over_structures(run_chunk, configs)(values, states)
         metrics = jax.tree.map(lambda *parts: jnp.concatenate(parts), *[m for _, m in done])
         return [state for state, _ in done], metrics
 
+    parameter_trees = jax.jit(over_structures(trained_params, configs), **RUN_ONCE)
     run_chunks = jax.jit(run_chunks, out_shardings=sharding, donate_argnums=1)
     level = {"xla_backend_optimization_level": 2} if jax.default_backend() == "cpu" else None
     run_chunks = run_chunks.lower(values, states, np.int32(0)).compile(compiler_options=level)
@@ -1198,19 +1287,11 @@ def train_and_log(
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
     rows = json.loads(saved["rows"]) if saved else []
     first_chunk = saved["chunk"] if saved else 0
-    num_chunks = chunk_sizes(configs[0])[1]  # (sweep_grid: every structure's the same)
     num_runs = len(grid) * config.num_seeds
-    if saved:
-        print(f"{SCRIPT}: resumed at chunk {first_chunk} of {num_chunks} in {out}", flush=True)
-    writers = []
-    if options.track and is_lead():  # a writer per run; at env steps, a resumed run goes on
-        from tensorboardX import SummaryWriter  # optional: check_options found it installed
-
-        seeds = range(config.seed, config.seed + config.num_seeds)
-        names = ["_".join([f"seed{s}", *describe(p).split()]) for p in grid for s in seeds]
-        writers = [SummaryWriter(str(out / "tensorboard" / name)) for name in names]
+    writers, wandb_runs = tracking  # --track: each run's, on process 0
+    columns = ("updates", "wall_seconds", "sps", *METRIC_COLUMNS)  # logged at their env steps
     figure = None  # made when first drawn: matplotlib is slow to import
-    first, render_key = with_values(configs[0], grid[0]), first_run(keys[0]["render"])  # --live
+    first, render_key = with_values(configs[0], grid[0]), first_run(keys["render"][0])  # --live
     drawn = time.perf_counter()
     stop_on_signals(stop)  # (until here, a Ctrl-C aborts: compiling cannot be stopped)
     start = time.perf_counter() - (rows[-1]["wall_seconds"] if rows else 0.0)
@@ -1228,8 +1309,9 @@ def train_and_log(
         steps_per_chunk = int(metrics.env_steps[0]) // (chunk + 1)
         every = max(options.checkpoint_every // steps_per_chunk, 1)  # in whole chunks
         due = options.checkpoint_every > 0 and (chunk + 1) % every == 0 and not finished
-        saved_states = fetch(states) if stopped or due else None  # before they are donated
-        policy = first_run(trained_params(states[0])) if options.live else None  # the first run's
+        due = due or finished and options.keep_checkpoint  # the last state, to train on later
+        kept = fetch((states, parameter_trees(values, states))) if due or stopped else None
+        policy = first_run(parameter_trees(values, states)[0]) if options.live else None  # run 0's
         if not (finished or stopped):  # runs while this chunk is logged and drawn
             states, pending = run_chunks(values, states, np.int32(chunk + 1))
         previous = rows[-num_runs:] or [dict(env_steps=0, updates=0, wall_seconds=0.0)] * num_runs
@@ -1237,19 +1319,20 @@ def train_and_log(
         rows += new_rows
         print(progress(metrics, new_rows, previous, (chunk + 1) / num_chunks), flush=True)
         for writer, row in zip(writers, new_rows, strict=False):
-            for name in ("sps", *METRIC_COLUMNS):
+            for name in columns:
                 writer.add_scalar(name, row[name], row["env_steps"])
-        problem = non_finite(grid, metrics, new_rows, chunk + 1)
+        for wandb_run, row in zip(wandb_runs, new_rows, strict=False):
+            wandb_run.log({name: row[name] for name in columns}, step=row["env_steps"])
         if is_lead():  # process 0 writes and draws
             write_atomic(out / "metrics.csv", csv_text(rows))
-        if problem:  # every process has every run's metrics: they all stop here
+        if problem := non_finite(grid, metrics, new_rows, chunk + 1):  # every process stops here
             if is_lead():
                 print(f"{problem} (the files in {out} hold the chunks so far)", file=sys.stderr)
             sys.exit(1)
-        if is_lead() and saved_states is not None:  # after the chunk's rows: a resume goes on
-            resume = {"chunk": chunk + 1, "rows": json.dumps(rows), "state": saved_states}
-            data = checkpoint(config, grid, list(map(trained_params, saved_states)), resume)
-            write_atomic(out / "checkpoint.msgpack", data)
+        if is_lead() and kept is not None:  # after the chunk's rows: a resume goes on from here
+            ids = json.dumps([wandb_run.id for wandb_run in wandb_runs])  # W&B's, to go on with
+            resume = {"chunk": chunk + 1, "rows": json.dumps(rows), "state": kept[0], "wandb": ids}
+            write_atomic(out / "checkpoint.msgpack", checkpoint(config, grid, kept[1], resume))
         due = finished or stopped or 0 < options.plot_every <= time.perf_counter() - drawn
         if is_lead() and (options.live or options.plot and due):
             frames = render_policy(first, policy, render_key) if options.live else None
@@ -1298,19 +1381,21 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     started = time.time()  # the files written from here on are this run's
     compile_cache = enable_compile_cache(options)  # before anything starts JAX's backend
     check_options(options)
-    validate(config)
+    if not (options.resume or options.eval_only):  # (else load_checkpoint checks the saved one)
+        validate(config)
     if options.distributed:  # before anything starts JAX's backend (load_checkpoint does)
         start_distributed(options)
     path = Path(options.resume or options.load_model or "")  # a run folder, or its file
     if path.is_dir():  # --load-model: its model.msgpack if any; --resume: its checkpoint
         model = path / "model.msgpack"
         path = model if options.eval_only and model.is_file() else path / "checkpoint.msgpack"
-    if options.resume and not path.exists() and (path.parent / "summary.json").exists():
-        print(f"{SCRIPT}: {path.parent} is a finished run or evaluation: nothing to resume")
-        sys.exit(0)  # (its checkpoint was removed when it finished)
+    finished = options.resume and not path.exists() and (path.parent / "summary.json").exists()
     saved = None
-    if options.resume or options.eval_only:
+    if (options.resume or options.eval_only) and not finished:
         config, saved = load_checkpoint(path, config, options)
+    if finished or options.resume and saved.get("chunk") == chunk_sizes(config)[1]:
+        print(f"{SCRIPT}: {path.parent} has finished: nothing to resume (see --keep-checkpoint)")
+        sys.exit(0)
     shapes, floats = sweep_grid(config)
     grid = [shape | point for shape in shapes for point in floats]  # each structure's points
     configs = [with_values(config, shape) for shape in shapes]  # one program's runs each
@@ -1319,16 +1404,17 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     divides = f"such that the {size} runs divide over the {len(devices)} devices"
     require(size % len(devices) == 0, "num_seeds", divides, config.num_seeds)
     sharding = NamedSharding(Mesh(np.array(devices), ("runs",)), PartitionSpec("runs"))
-    keys = [jax.tree.map(np.asarray, seed_keys(config, len(floats)))] * len(shapes)
+    keys = jax.tree.map(lambda key: [np.asarray(key)] * len(shapes), seed_keys(config, len(floats)))
     values = {name: np.float32([point[name] for point in floats]) for name in floats[0]}
     values = [jax.tree.map(lambda floats: floats.repeat(config.num_seeds), values)] * len(shapes)
     if saved:  # the file's trees, as init makes them
-        train_keys = [run_keys["train"] for run_keys in keys]
-        layout = jax.eval_shape(over_structures(initial, configs), values, train_keys)
+        layout = jax.eval_shape(over_structures(initial, configs), values, keys["train"])
+        if options.eval_only:  # --load-model: the parameter trees alone
+            layout = jax.eval_shape(over_structures(trained_params, configs), values, layout)
         physics = [f"--{n.replace('_', '-')}" for n in sorted(options.typed) if n[:4] == "env."]
         flag = "--resume" if options.resume else "--load-model"
         where = " with ".join([f"{flag} {path}", *physics])
-        saved = restored(saved, layout, bool(options.resume), where)
+        saved = restored(saved, {"params" if options.eval_only else "state": layout}, where)
     out = path.parent if options.resume else Path(options.output_dir or "runs")
     if is_lead():  # process 0 writes every output
         try:
@@ -1340,7 +1426,11 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
             out = Path(tempfile.mkdtemp(prefix=f"{prefix}{int(time.time())}_", dir=out))
         if any(out.iterdir()) and not (options.overwrite or options.resume):
             raise UsageError(f"--output-dir {out} holds files: --overwrite writes there")
-    if not is_lead():
+        written = dataclasses.asdict(config)  # --eval-only: the fields the model has
+        if options.eval_only:
+            written = {name: written[name] for name in json.loads(saved["config"])}
+        write_atomic(out / "config.json", json.dumps(written, indent=2))
+    else:
         print(f"{SCRIPT}: process {jax.process_index()}, a worker; process 0 writes", flush=True)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # process 0 speaks
     keys, values = jax.device_put((keys, values), sharding)  # each process its runs'
@@ -1348,40 +1438,39 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     shown = f"{runs_text(config, grid)} x {config.num_envs} envs on {len(devices)} device(s)"
     where = f"({devices[0].device_kind}), {jax.process_count()} process(es)"
     print(f"{SCRIPT}: {env_name(config)}, {shown} {where}; compile cache: {compile_cache}")
-    written = dataclasses.asdict(config)  # --eval-only: the fields the model has
+    ids = json.loads(saved.get("wandb", "[]")) if options.resume else []  # W&B's runs go on
+    tracking = start_tracking(config, options, grid, out, ids)
     if options.eval_only:
-        written = {name: written[name] for name in json.loads(saved["config"])}
-    if is_lead():
-        write_atomic(out / "config.json", json.dumps(written, indent=2))
-    if options.eval_only:
-        params = jax.device_put(saved["params"], sharding)
+        held = jax.device_put(saved["params"], sharding)  # the model's parameter trees
         summary = {"model": str(path), "stopped_early": False, "exit_status": 0}
     else:
-        runs = (grid, configs, keys, values)
-        states, summary = train_and_log(config, options, runs, out, saved, stop)
-        params = list(map(trained_params, states))
+        runs = (grid, configs, keys, values, tracking)
+        held, summary = train_and_log(config, options, runs, out, saved, stop)  # train states
 
-    evaluate = over_structures(lambda c: make_evaluate(c, options.eval_episodes), configs)
-    evaluate = jax.jit(evaluate, **RUN_ONCE)
-    evaluation = fetch(evaluate(values, params, [run_keys["evaluate"] for run_keys in keys]))
+    def evaluated(config: Config, held: Any, key: PRNGKey) -> tuple:  # the trees too: no compile
+        params = held if options.eval_only else trained_params(config, held)  # of their own
+        return params, make_evaluate(config, options.eval_episodes)(params, key)
+
+    evaluate = jax.jit(over_structures(evaluated, configs), **RUN_ONCE)
+    params, evaluation = zip(*fetch(evaluate(values, held, keys["evaluate"])), strict=True)
     evaluation = jax.tree.map(lambda *parts: np.concatenate(parts).mean(axis=1), *evaluation)
-    saved_params = fetch(params) if options.save_model and not options.eval_only else None
     if not is_lead():
         sys.exit(summary["exit_status"])  # process 0 writes the outputs
-    if saved_params is not None:
-        write_atomic(out / "model.msgpack", checkpoint(config, grid, saved_params, {}))
-    returns = evaluation["episode_return"]
+    if options.save_model and not options.eval_only:
+        write_atomic(out / "model.msgpack", checkpoint(config, grid, list(params), {}))
+    returns = evaluation["episode_return"].astype(float)  # (JSON's floats)
     extras = [name for name in evaluation if name != "episode_return"]  # swing-up's upright, say
     bar = solved_return(config)
-    sweep = [  # per grid point: its values, its seeds' returns, their mean, std and solved share
-        {**point, "final_returns": seeds.tolist(), "mean": seeds.mean(), "std": seeds.std()}
+    sweep = [  # per grid point: its values, its seeds' returns, their statistics, the solved share
+        {**point, "final_returns": seeds.tolist(), **estimates(seeds)}
         | {"solved_fraction": (seeds >= bar).mean()}
-        for point, seeds in zip(grid, returns.reshape(len(grid), -1).astype(float), strict=True)
+        for point, seeds in zip(grid, returns.reshape(len(grid), -1), strict=True)
     ]
+    overall = estimates(returns)  # over every run
     summary = {
+        "env": env_name(config),  # the task (compare.py compares runs of one)
         "final_returns": returns.tolist(),
-        "final_return_mean": float(returns.mean()),
-        "final_return_std": float(returns.std()),
+        **{f"final_return_{name}": value for name, value in overall.items()},
         "solved_runs": int((returns >= bar).sum()),
         "solved_return": bar,
         **{f"final_{name}": evaluation[name].tolist() for name in extras},
@@ -1395,22 +1484,36 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     if options.capture_gif:  # after the model and the summary: an env may have no renderer
         first = with_values(configs[0], grid[0])
-        frames = render_policy(first, first_run(params[0]), first_run(keys[0]["render"]))
+        policy = jax.tree.map(lambda x: x[0], params[0])  # the first run's (fetched above)
+        frames = render_policy(first, policy, first_run(keys["render"][0]))
         caption = f"{SCRIPT}, seed {config.seed} {describe(grid[0])}: return {returns[0]:.1f}"
         if frames is not None:
             write_atomic(out / "policy.gif", gif(frames, jitted_render(first)[1], caption))
-    if not summary["stopped_early"] and (out / "checkpoint.msgpack").exists():
-        (out / "checkpoint.msgpack").unlink()  # a finished run has nothing to resume
+    for run, wandb_run in enumerate(tracking[1]):  # W&B: each run's evaluation, run 0's GIF
+        wandb_run.summary.update({f"final_{n}": float(v[run]) for n, v in evaluation.items()})
+        if run == 0 and options.capture_gif and frames is not None:  # (start_tracking's import)
+            wandb_run.log({"policy": sys.modules["wandb"].Video(str(out / "policy.gif"))})
+        wandb_run.finish()
+    if not (summary["stopped_early"] or options.keep_checkpoint):  # nothing to resume
+        (out / "checkpoint.msgpack").unlink(missing_ok=True)
     num_runs = len(returns)
-    spread = f" ± {returns.std():.1f} (population std of {num_runs} runs)" if num_runs > 1 else ""
+    mean, mean_ci, iqm, iqm_ci = report_cells(overall)
+    spread = f"{mean} (population std of {num_runs} runs), 95% CI {mean_ci}; IQM {iqm}"
+    spread = f"{spread}, 95% CI {iqm_ci}" if num_runs > 1 else f"{returns.mean():.1f}"
     episodes = f"{options.eval_episodes} deterministic episodes per run"
     solved = f"{summary['solved_runs']}/{num_runs} >= {bar:g}"
     shown = "".join(f", {name} {evaluation[name].mean():.3g}" for name in extras)
-    print(f"evaluation, {episodes}: return {returns.mean():.1f}{spread}; {solved}{shown}")
-    for point, report in zip(grid, sweep if config.sweep else [], strict=False):
-        finals = " ".join(f"{value:.1f}" for value in report["final_returns"])
-        mean = f"{report['mean']:.1f} ± {report['std']:.1f}, solved {report['solved_fraction']:.0%}"
-        print(f"  {describe(point)}: {finals}; {mean}")
+    print(f"evaluation, {episodes}: return {spread}; {solved}{shown}")
+    if config.sweep:  # the report: a column per statistic; the best IQM and its overlaps marked
+        best = max(sweep, key=lambda report: report["iqm"])  # (each point: as many seeds)
+        columns = "grid point | returns per seed | mean ± std | 95% CI | IQM | 95% CI | solved"
+        print(f"  {columns} (* the best IQM, ~ an IQM interval overlapping the best's)")
+        for point, report in zip(grid, sweep, strict=True):
+            finals = " ".join(f"{value:.1f}" for value in report["final_returns"])
+            solved = f"{report['solved_fraction']:.0%}"
+            overlaps = report["iqm_ci"] and report["iqm_ci"][1] >= best["iqm_ci"][0]
+            mark = "*" if report is best else "~" if overlaps else " "
+            print(mark, " | ".join([describe(point), finals, *report_cells(report), solved]))
     wrote = sorted(path.name for path in out.iterdir() if path.stat().st_mtime >= started)
     print(f"wrote {', '.join(wrote)} in {out}", flush=True)
     if summary["stopped_early"]:  # (a stop after the last chunk leaves nothing to go on from)

@@ -226,3 +226,28 @@ def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
         time.sleep(0.1)
     state = Path(f"/proc/{child}/stat")
     assert not state.exists() or state.read_text().split()[2] == "Z"  # gone (or a zombie)
+
+
+def test_a_users_benchmark_writes_a_folder_of_its_own_and_docs_only_when_asked(tmp_path):
+    """`benchmark.py envs --quick`, run to check one's own machine, writes its rows and plot into
+    runs/benchmark__<time>/ where it runs; the published docs/ files are left as they are, and
+    only --write-docs names them."""
+    published = {path: path.stat().st_mtime_ns for path in (REPO / "docs").glob("benchmark*")}
+    command = [*DIE_WITH_PARENT, sys.executable, str(REPO / "benchmark.py"), "envs", "--quick"]
+    command += ["--envs", "CartPole-v1", "--num-envs", "1", "--repeats", "1", "--no-reference"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (folder,) = (tmp_path / "runs").iterdir()
+    assert folder.name.startswith("benchmark__")
+    assert sorted(path.name for path in folder.iterdir()) == [
+        "benchmark_envs.png",
+        "benchmarks.json",
+    ]
+    (row,) = json.loads((folder / "benchmarks.json").read_text())["rows"]
+    assert row["env"] == "CartPole-v1" and row["steps_per_second"] > 0
+    assert {path: path.stat().st_mtime_ns for path in published} == published
+    usage = subprocess.run(
+        [sys.executable, "benchmark.py", "--help"], cwd=REPO, capture_output=True, text=True
+    )
+    usage = " ".join(usage.stdout.split())  # as argparse wraps it to the terminal's width
+    assert f"--write-docs {REPO / 'docs' / 'benchmarks.json'} " in usage

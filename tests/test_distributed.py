@@ -113,11 +113,12 @@ def checkpoint_params(path: Path) -> list[np.ndarray]:
 
 
 @pytest.mark.slow
-def test_two_processes_train_and_evaluate_what_one_process_does(tmp_path):
+def test_two_processes_train_and_evaluate_what_one_process_does(tmp_path, monkeypatch):
     """A sweep's 4 runs on 2 processes x 2 CPU devices against the same 4 runs in one process
     with 4 devices: every metrics row, the evaluation and the checkpoint agree to float
     tolerance; process 0 writes every output and the worker writes nothing and prints one line.
-    Then the checkpoint is evaluated --distributed too. The four scripts share this code (their
+    Then the checkpoint is evaluated --distributed too, logged to W&B (offline) as asked: one
+    W&B run per run, from process 0 alone. The four scripts share this code (their
     command-line blocks are one block: test_cli_block.py); a PPO script's seeds over 2 processes
     give one process's returns in test_benchmark.py's distributed test."""
     script = "sac_pendulum"
@@ -151,12 +152,25 @@ def test_two_processes_train_and_evaluate_what_one_process_does(tmp_path):
 
     episodes = flags[flags.index("--eval-episodes") + 1]  # the training run's evaluation
     evaluation = ["--eval-only", "--load-model", str(lead / "model.msgpack"), "--no-capture-gif"]
-    evaluation += ["--eval-episodes", episodes]
+    evaluation += ["--eval-episodes", episodes, "--track", "--wandb-project-name", "demo"]
+    monkeypatch.setenv("WANDB_MODE", "offline")  # (the processes inherit it)
     pair = start_pair(script, evaluation, tmp_path / "eval")
     assert finish(pair) == [0, 0], [output(tmp_path / "eval" / f"p{i}") for i in (0, 1)]
     evaluated = json.loads((tmp_path / "eval" / "p0" / "summary.json").read_text())
     np.testing.assert_allclose(evaluated["final_returns"], summary["final_returns"], rtol=1e-3)
     assert not (tmp_path / "eval" / "p1").exists()
+    from test_watch import read_wandb
+
+    finals = []
+    for records in read_wandb(tmp_path / "eval" / "p0").values():
+        (begun,) = [record.run for record in records if record.WhichOneof("record_type") == "run"]
+        assert begun.job_type == "eval"
+        for record in records:
+            if record.WhichOneof("record_type") == "summary":
+                finals += [
+                    json.loads(i.value_json) for i in record.summary.update if i.key[:6] == "final_"
+                ]
+    assert sorted(finals) == pytest.approx(sorted(evaluated["final_returns"]))  # a run per run
 
 
 @pytest.mark.slow

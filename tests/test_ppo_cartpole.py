@@ -200,8 +200,8 @@ def test_vmapped_seed_matches_the_single_run(tiny_runs):
     assert metrics.value_loss.shape == (ppo.chunk_sizes(config)[1],)
     assert int(metrics.updates[-1]) == 2 * 2 * 2 * 2  # chunks x iterations x epochs x minibatches
     chex.assert_trees_all_close(
-        jax.tree.map(lambda x: x[1], ppo.trained_params(vmapped_state)),
-        ppo.trained_params(state),
+        jax.tree.map(lambda x: x[1], ppo.trained_params(config, vmapped_state)),
+        ppo.trained_params(config, state),
         rtol=1e-4,
         atol=1e-5,
     )
@@ -212,8 +212,8 @@ def test_vmapped_seed_matches_the_single_run(tiny_runs):
 
 
 def test_different_seeds_give_different_networks(tiny_runs):
-    _, (state, _), _, _ = tiny_runs
-    kernel = ppo.trained_params(state)["actor"]["params"]["Dense_0"]["kernel"]
+    config, (state, _), _, _ = tiny_runs
+    kernel = ppo.trained_params(config, state)["actor"]["params"]["Dense_0"]["kernel"]
     assert not np.allclose(kernel[0], kernel[1])
 
 
@@ -244,7 +244,7 @@ def test_evaluation_starts_from_other_states_than_training():
 def test_render_draws_four_carts_every_second_step(tiny_runs):
     config, (state, _), _, _ = tiny_runs
     render, seconds_per_frame = ppo.make_render(config)
-    params = jax.tree.map(lambda x: x[0], ppo.trained_params(state))
+    params = jax.tree.map(lambda x: x[0], ppo.trained_params(config, state))
     frames = jax.jit(render)(params, ppo.seed_keys(config)["render"][0])
     assert frames.dtype == jnp.uint8 and frames.shape == (25, 120, 4 * 180, 3)  # 50 steps / 2
     assert seconds_per_frame == pytest.approx(2 * 0.02)  # real time: CartPole's tau per step
@@ -559,7 +559,9 @@ def test_default_config_learns_to_balance():
     evaluate = jax.jit(
         jax.vmap(ppo.make_evaluate(config, num_episodes=10)), compiler_options=XLA_DEFAULT
     )
-    returns = np.asarray(evaluate(ppo.trained_params(state), keys["evaluate"])["episode_return"])
+    returns = np.asarray(
+        evaluate(ppo.trained_params(config, state), keys["evaluate"])["episode_return"]
+    )
     returns = returns.mean(axis=1)
     assert np.all(np.asarray(metrics.episode_return)[:, 0] < 100)  # it starts out failing
     assert np.all(returns >= 400) and np.median(returns) >= 475, returns

@@ -563,7 +563,7 @@ def test_evaluation_starts_from_other_states_than_training():
 def test_evaluate_and_render_shapes(two_seed_run):
     config, _, (state, _) = two_seed_run
     keys = ppo.seed_keys(config)
-    params = ppo.trained_params(state)
+    params = ppo.trained_params(config, state)
     episodes = jax.jit(jax.vmap(ppo.make_evaluate(config, EVAL_EPISODES)))(params, keys["evaluate"])
     unshielded = {"score_unshielded", "win_unshielded"}  # the same games without the shield
     assert set(episodes) == {"episode_return", "score", "win", "episode_length"} | unshielded
@@ -946,7 +946,9 @@ def test_short_run_learns_to_eat():
     evaluate = jax.jit(
         jax.vmap(ppo.make_evaluate(config, num_episodes=100)), compiler_options=XLA_DEFAULT
     )
-    scores = np.asarray(evaluate(ppo.trained_params(state), keys["evaluate"])["score"]).mean(axis=1)
+    scores = np.asarray(
+        evaluate(ppo.trained_params(config, state), keys["evaluate"])["score"]
+    ).mean(axis=1)
     first_chunk = np.asarray(metrics.score[:, 0])
     assert np.all(first_chunk < 8.0), first_chunk
     assert np.all(scores >= 10.0) and np.median(scores) >= 14.0, scores

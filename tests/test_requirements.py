@@ -7,12 +7,16 @@ import re
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 # The compiled file of each human-written list (docs/versions.md has the commands).
 COMPILED = {"requirements.in": "requirements.txt", "requirements-dev.in": "requirements-dev.txt"}
 FLOOR = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9]+(?:\.[0-9]+)*)$")
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9]+(?:\.[0-9]+)*)$")
+# An exact version, a pre- or post-release's too (wandb pulls certifi 2026.10.19.post1, betas)
+PIN = re.compile(
+    r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc|\.post)[0-9]+)?)$"
+)
 
 
 def normalize(name: str) -> str:
@@ -59,7 +63,7 @@ def unpinned(source: Path, compiled: Path) -> list[str]:
     for name, floor in floors(source).items():
         if name not in pinned:
             wrong.append(f"{name} is not pinned in {compiled.name}")
-        elif tuple(int(part) for part in pinned[name].split(".")) < floor:
+        elif Version(pinned[name]).release < floor:
             wrong.append(f"{name}=={pinned[name]} in {compiled.name} is below its floor")
     return wrong
 

@@ -93,7 +93,7 @@ def test_a_run_killed_after_a_periodic_checkpoint_resumes_bit_for_bit(tmp_path, 
     assert_same_run(killed, tmp_path / "a")
     assert not (killed / "checkpoint.msgpack").exists()
     again = run("sac_pendulum", ["--resume", str(killed)])
-    assert "finished run" in again.stdout and "compiled" not in again.stdout
+    assert "has finished: nothing to resume" in again.stdout and "compiled" not in again.stdout
 
 
 @pytest.mark.slow
@@ -145,9 +145,16 @@ def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
         (["--resume", str(tmp_path / "missing")], "(No such file or directory)"),
         (["--resume", ""], "--resume must be a run folder"),  # not a fresh run
         (["--resume", str(other)], "is not a checkpoint of sac_pendulum"),  # truncated
-        (["--resume", str(folder), "--q-lr", "0.1"], "--q-lr is set by the saved run"),
-        (["--resume", str(folder), "--num-envs", "16"], "--num-envs is set by"),  # the default
+        (["--resume", str(folder), "--q-lr", "0.1"], "--q-lr is 0.003 in the saved run"),
+        (
+            ["--resume", str(folder), "--num-envs", "16"],
+            "--num-envs is 4 in the saved run",
+        ),  # typed at the default
         (["--resume", str(folder), "--output-dir", str(other)], "(without --output-dir)"),
+        (
+            ["--resume", str(folder), "--total-timesteps", "384"],  # fewer env steps than its 448
+            "--total-timesteps must be >= 448 (the saved run's), got 384",
+        ),
     ]:
         status, _, stderr = in_process(sac_pendulum, *flags)
         assert status == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, flags
@@ -159,23 +166,50 @@ def test_resume_refuses_in_one_line_and_changes_nothing(tmp_path):
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")} == before
 
 
-def test_tensorboard_goes_on_at_the_resumed_runs_env_steps(tmp_path):
-    """A resumed run's writer adds its events at the env steps of the chunks it trains."""
-    from test_watch import read_events
+def test_tracking_goes_on_at_the_resumed_runs_env_steps_in_the_same_wandb_run(
+    tmp_path, monkeypatch
+):
+    """A resumed run's TensorBoard writer adds its events at the env steps of the chunks it
+    trains, and its W&B run (offline) is the stopped run's, by id, going on from there; resumed
+    with a larger --total-timesteps, it trains on to it."""
+    from test_watch import read_events, read_wandb, wandb_history
 
+    monkeypatch.setenv("WANDB_MODE", "offline")  # (the subprocess inherits it)
     folder = tmp_path / "run"
-    flags = [*SAC_FLAGS, "--track", "--no-save-model"]
+    flags = [*SAC_FLAGS, "--track", "--wandb-project-name", "demo", "--no-save-model"]
     output = [*flags, "--output-dir", str(folder)]
     assert signal_at(output, "steps 192/448", signal.SIGTERM) == 143  # the 3rd chunk's line
     done = len(untimed_rows(folder))
     (events,) = (folder / "tensorboard").iterdir()
     first = {path.name for path in events.iterdir()}
     time.sleep(1)  # a new events file per writer: its name holds the second it was made
-    run("sac_pendulum", ["--resume", str(folder), "--track", *QUIET])
+    resume = ["--resume", str(folder), "--track", "--wandb-project-name", "demo", *QUIET]
+    run("sac_pendulum", [*resume, "--total-timesteps", "512"])
     (new,) = [path for path in events.iterdir() if path.name not in first]
     events = read_events_file(read_events, new)
     steps = sorted({event.step for event in events if event.summary.value})
-    assert steps == [64 * chunk for chunk in range(done + 1, 8)]  # where the first writer stopped
+    assert steps == [64 * chunk for chunk in range(done + 1, 9)]  # where the first writer stopped
+    (records,) = read_wandb(folder).values()  # one W&B run: both processes wrote to its id
+    starts = [record.run for record in records if record.WhichOneof("record_type") == "run"]
+    assert len(starts) == 2 and not starts[0].resume and starts[1].resume
+    logged = [row["_step"] for row in wandb_history(records)]
+    assert logged == [64 * chunk for chunk in range(1, 9)] and len(untimed_rows(folder)) == 8
+
+
+def test_a_finished_run_kept_trains_on_to_a_larger_budget_as_if_started_with_it(tmp_path):
+    """--keep-checkpoint keeps a finished run's last state: --resume then has nothing to do, and
+    with a larger --total-timesteps it trains on; SAC's training depends on the total nowhere,
+    so it ends as the run started with that total, bit for bit."""
+    kept, longer = tmp_path / "kept", tmp_path / "longer"
+    shorter = [*SAC_FLAGS, "--total-timesteps", "384", "--no-capture-gif"]
+    run("sac_pendulum", [*shorter, "--keep-checkpoint", "--output-dir", str(kept)])
+    assert (kept / "checkpoint.msgpack").exists()
+    again = run("sac_pendulum", ["--resume", str(kept)])
+    assert "has finished: nothing to resume" in again.stdout
+    run("sac_pendulum", ["--resume", str(kept), "--total-timesteps", "448", *QUIET])
+    run("sac_pendulum", [*SAC_FLAGS, "--output-dir", str(longer)])  # 448 env steps
+    assert_same_run(kept, longer)
+    assert not (kept / "checkpoint.msgpack").exists()  # this time it was not asked to keep it
 
 
 def read_events_file(read_events, path: Path) -> list:

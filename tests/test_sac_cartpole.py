@@ -217,8 +217,9 @@ def test_evaluation_and_gif_start_from_other_states_than_training():
 
 def no_force_params(config: sac.Config) -> dict:
     """An actor whose every parameter is 0: its mean action is tanh(0) = 0, no force."""
-    params = jax.eval_shape(sac.make_train(config)[0], jax.random.key(0)).learner.params
-    return jnp.zeros(params.shape)  # every parameter, the actor's among them
+    state = jax.eval_shape(sac.make_train(config)[0], jax.random.key(0))
+    params = jax.eval_shape(functools.partial(sac.trained_params, config), state)  # as evaluated
+    return jax.tree.map(lambda leaf: jnp.zeros(leaf.shape), params)  # the actor's among them
 
 
 @pytest.mark.parametrize(
@@ -447,7 +448,7 @@ def test_eval_only_refuses_other_checkpoints_and_overridden_flags(finished_run, 
         (["--load-model", str(other)], "sac_pendulum checkpoint for Pendulum-v1"),
         (["--load-model", str(garbage)], "is not a checkpoint of sac_cartpole"),
         (["--load-model", str(model), "--hidden-sizes", "64", "64"], "--hidden-sizes"),
-        (["--load-model", str(model), "--gamma", "0.5"], "--gamma is set by the saved run"),
+        (["--load-model", str(model), "--gamma", "0.5"], "--gamma is 0.99 in the saved run"),
         (["--load-model", str(balance), "--env-id", "CartPoleSwingup"], "--env-id"),
     ]:
         status, _, stderr = in_process(sac, "--eval-only", *flags)
@@ -551,7 +552,7 @@ def test_default_config_learns_to_balance():
     _, _, train = sac.make_train(config)
     keys = sac.seed_keys(config)
     state, metrics = jax.jit(jax.vmap(train), compiler_options=XLA_DEFAULT)(keys["train"])
-    params = jax.vmap(sac.trained_params)(state)
+    params = jax.vmap(lambda state: sac.trained_params(config, state))(state)
     evaluation = jax.jit(
         jax.vmap(sac.make_evaluate(config, num_episodes=20)), compiler_options=XLA_DEFAULT
     )(params, keys["evaluate"])

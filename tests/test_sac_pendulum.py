@@ -496,6 +496,7 @@ def test_run_writes_every_output(finished_run):
         "final_returns",
         "final_return_mean",
         "final_return_std",
+        "final_return_iqm",  # of 2 runs: their mean, and no intervals (fewer than 3 runs)
         "train_seconds",
         "compile_seconds",
         "env_steps_per_second",
@@ -507,6 +508,9 @@ def test_run_writes_every_output(finished_run):
     ]:
         assert key in summary, key
     assert len(summary["final_returns"]) == 2 and summary["updates_per_second"] > 0
+    assert summary["final_return_iqm"] == summary["final_return_mean"]
+    assert summary["final_return_mean_ci"] is None and summary["final_return_iqm_ci"] is None
+    assert "population std of 2 runs), 95% CI none (< 3 runs); IQM" in result.stdout
     assert set(summary["versions"]) == {"jax", "jaxlib", "flax", "optax", "numpy"}
     assert not summary["stopped_early"] and not (out / "checkpoint.msgpack").exists()
     from PIL import Image
@@ -564,6 +568,36 @@ def test_eval_only_refuses_flags_the_checkpoint_overrides(finished_run):
     result = run("--eval-only", "--load-model", str(out / "model.msgpack"), "--hidden-sizes", "8")
     assert result.returncode == 2 and "--hidden-sizes" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_model_names_its_networks_and_a_file_that_does_not_fit_names_its_array(
+    finished_run, tmp_path
+):
+    """model.msgpack holds each run's parameter tree (flax.serialization's): another program
+    reads the actor from it. A file whose arrays no longer fit names the first that differs; an
+    older SAC model (one parameter vector a run) is refused in one line as well."""
+    out, _ = finished_run
+    payload = flax.serialization.msgpack_restore((out / "model.msgpack").read_bytes())
+    params = payload["params"]["0"]  # the one structure's runs, seed first
+    assert set(params) == {"actor", "critics", "log_alpha"} and params["log_alpha"].shape == (2,)
+    first = jax.tree.map(lambda x: x[0], params)
+    obs = jnp.ones((1, 3))
+    mean, _ = sac.Actor((16, 16), 1).apply(first["actor"], obs)  # no script needed: flax alone
+    act = sac.make_deterministic_policy(TINY)[2]
+    np.testing.assert_allclose(act(first, obs), 2 * np.tanh(mean), rtol=1e-6)  # max torque 2
+    smaller = {
+        **payload,
+        "config": json.dumps(json.loads(payload["config"]) | {"hidden_sizes": [8, 8]}),
+    }
+    vector = {**payload, "params": {"0": np.zeros((2, 1234), np.float32)}}
+    for file, found in [
+        (smaller, "params.0.actor.params.Dense_0.bias is (2, 16) in the file, (2, 8) here"),
+        (vector, "params.0 is (2, 1234) in the file, absent here"),
+    ]:
+        (tmp_path / "model.msgpack").write_bytes(flax.serialization.msgpack_serialize(file))
+        result = run("--eval-only", "--load-model", str(tmp_path / "model.msgpack"))
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+        assert f"does not fit this sac_pendulum: {found}" in result.stderr, result.stderr
 
 
 def test_eval_only_refuses_other_checkpoints(finished_run, tmp_path):
@@ -750,6 +784,12 @@ def test_the_curves_label_what_they_show_and_the_gif_says_what_it_shows(finished
     assert [axis.get_legend() for axis in figure.axes] == [None] * len(figure.axes)
     labels = [text.get_text() for text in figure.legends[0].get_texts()]  # one, below the panels
     assert labels == ["mean of 2 seeds", "min-max over seeds", "solved (-200)"]
+    three = [row | {"seed": row["seed"] + 2} for row in rows[::2]]  # a third seed: an interval
+    rows = [row for chunk in zip(rows[::2], rows[1::2], three, strict=True) for row in chunk]
+    sac.draw_curves(figure, dataclasses.replace(config, num_seeds=3), [{}], rows, frames=None)
+    labels = [text.get_text() for text in figure.legends[-1].get_texts()]
+    interval = "95% interval of the mean over seeds (bootstrap)"
+    assert labels == ["mean of 3 seeds", "min-max over seeds", interval, "solved (-200)"]
     ticks = figure.axes[0].xaxis.get_major_formatter().format_ticks([100_000, 1_200_000])
     assert ticks == ["100k", "1.2M"]  # short labels: long numbers collided on short runs
     caption = np.asarray(Image.open(out / "policy.gif").convert("L"))[:16]
@@ -846,7 +886,7 @@ def test_a_copy_runs_on_an_env_whose_box_has_float_bounds(monkeypatch):
     _, metrics = jax.jit(sac.make_train(TINY)[2])(jax.random.key(0))
     chex.assert_trees_all_close(metrics, reference)
     init = sac.make_train(TINY)[0]
-    params = sac.trained_params(jax.jit(init)(jax.random.key(0)))
+    params = sac.trained_params(TINY, jax.jit(init)(jax.random.key(0)))
     returns = jax.jit(sac.make_evaluate(TINY, 2))(params, jax.random.key(1))["episode_return"]
     assert returns.shape == (2,) and np.isfinite(returns).all()
 
@@ -867,7 +907,8 @@ def test_default_config_learns_to_swing_up():
     evaluate = jax.jit(
         jax.vmap(sac.make_evaluate(config, num_episodes=20)), compiler_options=XLA_DEFAULT
     )
-    returns = np.asarray(evaluate(sac.trained_params(state), keys["evaluate"])["episode_return"])
+    params = jax.vmap(lambda state: sac.trained_params(config, state))(state)  # each seed's
+    returns = np.asarray(evaluate(params, keys["evaluate"])["episode_return"])
     returns = returns.mean(axis=1)
     assert np.all(returns > -400) and np.median(returns) > -250, returns
     assert np.all(metrics.episode_return[:, 0] < -900)  # and it started from a poor policy

@@ -3,7 +3,9 @@ usage errors before anything compiles, a grid point's run is the single command'
 sweep's report (summary.json and a printed table), checkpoint and --eval-only hold every run."""
 
 import csv
+import functools
 import importlib
+import itertools
 import json
 import subprocess
 from pathlib import Path
@@ -59,7 +61,7 @@ def test_every_sweepable_field_is_traced_through_training_and_evaluation(script)
 
         state = jax.eval_shape(jax.vmap(init), keys["train"], values)
         jax.eval_shape(jax.vmap(run_chunk), state, values)
-        params = module.trained_params(state)
+        params = jax.eval_shape(jax.vmap(functools.partial(module.trained_params, config)), state)
         jax.eval_shape(jax.vmap(evaluate), params, keys["evaluate"], values)
 
 
@@ -109,7 +111,7 @@ METRICS = ["episode_return", "episode_length"]
 
 
 @pytest.mark.parametrize("script", ["sac_pendulum", "ppo_cartpole"])
-def test_a_grid_point_is_the_single_run_and_the_report_holds_every_run(script, tmp_path):
+def test_a_grid_point_is_the_single_run_and_the_report_holds_every_run(script, tmp_path, capsys):
     sweep_dir, single_dir, eval_dir = tmp_path / "sweep", tmp_path / "single", tmp_path / "eval"
     flags = [*TINY_FLAGS[script], "--seed", "5", "--no-capture-gif"]
     swept = run(
@@ -145,18 +147,29 @@ def test_a_grid_point_is_the_single_run_and_the_report_holds_every_run(script, t
     single_return = json.loads((single_dir / "summary.json").read_text())["final_returns"][0]
     assert summary["final_returns"][3] == pytest.approx(single_return, rel=1e-4, abs=1e-3)
 
-    # the report: per grid point its values, each seed's final return, mean, std, solved share
+    # the report: per grid point its values, each seed's final return, mean, std, IQM (of 2
+    # seeds: their mean), no intervals (fewer than 3 seeds), solved share
     report = summary["sweep"]
     assert [entry["gamma"] for entry in report] == [0.9, 0.99]
     for index, entry in enumerate(report):
         returns = summary["final_returns"][2 * index : 2 * index + 2]
         assert entry["final_returns"] == returns
-        assert entry["mean"] == pytest.approx(np.mean(returns))
+        assert entry["mean"] == pytest.approx(np.mean(returns)) == pytest.approx(entry["iqm"])
         assert entry["std"] == pytest.approx(np.std(returns))
+        assert entry["mean_ci"] is None and entry["iqm_ci"] is None
         assert 0 <= entry["solved_fraction"] <= 1
-    table = swept.stdout.splitlines()[-3:-1]  # the printed table: a line per grid point
-    assert [line.split(":")[0] for line in table] == ["  gamma=0.9", "  gamma=0.99"]
-    assert f"{report[1]['mean']:.1f} ± {report[1]['std']:.1f}" in table[1]
+    header, *table = swept.stdout.splitlines()[-4:-1]  # the printed table: a line per grid point
+    columns = "grid point | returns per seed | mean ± std | 95% CI | IQM | 95% CI | solved"
+    assert header.startswith(f"  {columns} (* the best IQM")
+    cells = [line[2:].split(" | ") for line in table]
+    assert [row[0] for row in cells] == ["gamma=0.9", "gamma=0.99"]
+    assert cells[1][2:5] == [
+        f"{report[1]['mean']:.1f} ± {report[1]['std']:.1f}",
+        "none (< 3 runs)",
+        f"{report[1]['iqm']:.1f}",
+    ]
+    best = int(np.argmax([entry["iqm"] for entry in report]))  # marked; no interval to overlap
+    assert [line[0] for line in table] == ["*" if row == best else " " for row in range(2)]
 
     # the checkpoint holds every run with its grid point; --eval-only evaluates them all
     payload = flax.serialization.msgpack_restore((sweep_dir / "model.msgpack").read_bytes())
@@ -178,6 +191,18 @@ def test_a_grid_point_is_the_single_run_and_the_report_holds_every_run(script, t
     assert again["final_returns"] == summary["final_returns"]
     assert [entry["gamma"] for entry in again["sweep"]] == [0.9, 0.99]
 
+    # compare.py reads the folders as the script left them: a variant per folder and grid point
+    import compare
+
+    compare.main([str(single_dir), str(sweep_dir), "--output", str(tmp_path / "compare.png")])
+    table = capsys.readouterr().out.splitlines()[2:5]
+    assert [line.split(" | ")[:2] for line in table] == [
+        ["single", "1"],
+        ["sweep gamma=0.9", "2"],
+        ["sweep gamma=0.99", "2"],
+    ]
+    assert (tmp_path / "compare.png").stat().st_size > 0
+
 
 STRUCTURES = {  # a field that sets a shape (the networks') and one that sets a loop's length
     "sac_pendulum": ("hidden-sizes", ["16x16", "8x8"], ["updates-per-step", "1", "2"]),
@@ -197,7 +222,7 @@ def test_a_structural_sweep_is_one_process_one_report_and_each_point_its_single_
     swept = run(script, *flags, "--sweep", *grid, "--output-dir", str(tmp_path / "sweep"))
     assert swept.returncode == 0, swept.stderr
     assert "8 grid points x 1 seed x" in swept.stdout and "(all 8 runs together)" in swept.stdout
-    shown = [line.split(":")[0].strip() for line in swept.stdout.splitlines()[-9:-1]]
+    shown = [line[2:].split(" | ")[0] for line in swept.stdout.splitlines()[-9:-1]]
     assert shown[:2] == [f"{shape}={shapes[0]} {loop}={loops[0]} gamma=0.9"] * 1 + [
         f"{shape}={shapes[0]} {loop}={loops[0]} gamma=0.99"
     ]  # the structure's fields vary slowest
@@ -242,3 +267,23 @@ def test_a_structural_grid_of_unequal_chunks_is_refused_before_compiling():
         test_sac_pendulum.sac, *TINY_FLAGS["sac_pendulum"], "--sweep", "num-envs=4,24"
     )
     assert status == 2 and "--sweep must be points of as many chunks" in stderr, stderr
+
+
+def test_iqm_and_intervals_against_a_hand_computed_case():
+    """The IQM is the mean of the middle half (rliable's, scipy's trim_mean); each interval is the
+    2.5 and 97.5 percentiles of the statistic over resampled runs, here worked out exactly from
+    all 4**4 equally likely resamples of 4 runs; the seed is fixed, so a report is the same twice;
+    fewer than 3 runs get none, as the printed cells say."""
+    sac = importlib.import_module("sac_pendulum")
+    returns = np.array([0.0, 1.0, 2.0, 10.0])
+    report = sac.estimates(returns)
+    assert (report["mean"], report["iqm"]) == (3.25, 1.5)  # the IQM: (1 + 2) / 2
+    resamples = np.sort(list(itertools.product(returns, repeat=4)), axis=1)
+    for name, values in [("mean", resamples.mean(axis=1)), ("iqm", resamples[:, 1:3].mean(axis=1))]:
+        exact = np.quantile(values, [0.025, 0.975], method="inverted_cdf")
+        assert report[f"{name}_ci"] == pytest.approx(exact), name
+    assert report["mean_ci"] == pytest.approx([0.5, 7.75]) and report["iqm_ci"] == [0.0, 10.0]
+    assert sac.estimates(returns) == report  # reproducible
+    few = sac.estimates(np.array([1.0, 2.0]))
+    assert few["mean_ci"] is None and few["iqm_ci"] is None and few["iqm"] == few["mean"] == 1.5
+    assert sac.report_cells(few) == ["1.5 ± 0.5", "none (< 3 runs)", "1.5", "none (< 3 runs)"]

@@ -1,10 +1,12 @@
 """Watching a run while it trains, in every script: curves.png redrawn between chunks while the
 next chunk runs, --live (the curves and the current policy in a window where a display exists),
---track (TensorBoard event files per run with the values of metrics.csv)."""
+--track (TensorBoard event files per run with the values of metrics.csv) and, with
+--wandb-project-name, Weights & Biases runs (offline here: read back from their .wandb files)."""
 
 import csv
 import importlib
 import importlib.util
+import json
 import os
 import signal
 import struct
@@ -44,6 +46,75 @@ def read_events(directory: Path) -> list:
     return events
 
 
+def read_wandb(folder: Path) -> dict[str, list]:
+    """Every record of every W&B run under `folder` (its wandb/ folder), by run id, in the order
+    written (a resumed run: its files one after another). wandb ships no reader of its .wandb
+    files: each is a ':W&B' header (7 bytes), then LevelDB's log format (32 KiB blocks of records,
+    each a 7-byte header: checksum, length, type; FULL or FIRST..MIDDLE..LAST pieces) holding
+    wandb.proto.wandb_internal_pb2.Record messages."""
+    from wandb.proto import wandb_internal_pb2
+
+    runs: dict[str, list] = {}
+    for path in sorted(folder.glob("wandb/offline-run-*/run-*.wandb")):  # by start time
+        data = path.read_bytes()
+        assert data[:4] == b":W&B"
+        offset, pending = 7, b""
+        while offset + 7 <= len(data):
+            if 32768 - offset % 32768 < 7:  # a block's tail too short for a header: padding
+                offset += 32768 - offset % 32768
+                continue
+            length, kind = struct.unpack("<HB", data[offset + 4 : offset + 7])
+            pending += data[offset + 7 : offset + 7 + length]
+            offset += 7 + length
+            if kind in (1, 4):  # FULL, or the LAST piece of a record
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(pending)
+                runs.setdefault(path.stem.removeprefix("run-"), []).append(record)
+                pending = b""
+    return runs
+
+
+def wandb_history(records: list) -> list[dict]:
+    """The rows a W&B run logged, each {name: value} with its step as _step."""
+    rows = [record.history for record in records if record.WhichOneof("record_type") == "history"]
+    return [{item.nested_key[0]: json.loads(item.value_json) for item in row.item} for row in rows]
+
+
+def test_the_wandb_reader_reads_records_split_across_blocks(tmp_path):
+    """The reader joins a record's pieces and skips a block's padding, as LevelDB writes them."""
+    from wandb.proto import wandb_internal_pb2
+
+    record = wandb_internal_pb2.Record()
+    item = record.history.item.add()
+    item.nested_key.append("episode_return")
+    item.value_json = json.dumps("x" * 40_000)  # longer than a block: FIRST, then LAST
+    data = record.SerializeToString()
+    first = 32768 - 7 - 7 - 3  # the first block: the file's header, a record's, a piece, padding
+    blocks = b":W&B" + bytes(3) + bytes(4) + struct.pack("<HB", first, 2) + data[:first] + bytes(3)
+    blocks += bytes(4) + struct.pack("<HB", len(data) - first, 4) + data[first:]
+    path = tmp_path / "wandb" / "offline-run-1-abc" / "run-abc.wandb"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(blocks)
+    assert wandb_history(read_wandb(tmp_path)["abc"]) == [{"episode_return": "x" * 40_000}]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_wandb_without_wandb_or_without_track_is_one_line_and_exit_2(script, monkeypatch):
+    module = importlib.import_module(script)
+    status, _, stderr = in_process(module, "--wandb-project-name", "demo")
+    assert status == 2 and stderr.strip() == (
+        f"{script}.py: error: --wandb-project-name NAME (and --wandb-entity) go with --track"
+    )
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name)
+    )
+    status, _, stderr = in_process(module, "--track", "--wandb-project-name", "demo")
+    assert status == 2 and stderr.strip() == (
+        f"{script}.py: error: --wandb-project-name needs wandb: pip install wandb"
+    )
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_track_without_tensorboardx_is_one_line_and_exit_2(script, monkeypatch):
     module = importlib.import_module(script)
@@ -61,37 +132,68 @@ def test_track_without_tensorboardx_is_one_line_and_exit_2(script, monkeypatch):
 
 @pytest.mark.parametrize("script", ["sac_pendulum", "ppo_cartpole"])
 def test_live_and_track_on_a_sweep(script, tmp_path):
+    """Headless --live says so once; --track writes TensorBoard and, offline, W&B runs: one per
+    run, with its config as run, metrics.csv's values at their env steps, its final evaluation,
+    and the GIF with the first."""
     result = subprocess.run(
         [
             sys.executable,
             str(ROOT / f"{script}.py"),
             *TINY_FLAGS[script],
             *("--live", "--track", "--plot-every", "0.001", "--seed", "3"),
+            *("--wandb-project-name", "demo", "--wandb-entity", "team"),
             *("--sweep", "gamma=0.9,0.99", "--output-dir", str(tmp_path)),
         ],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "MPLBACKEND": "agg"},
+        env={**os.environ, "MPLBACKEND": "agg", "WANDB_MODE": "offline"},
     )
     assert result.returncode == 0, result.stderr
+    assert result.stdout.count(f"{script}: --live: no display (agg backend): see curves.png") == 1
+    assert f"{script}: W&B: 2 runs in {tmp_path / 'wandb'}" in result.stdout
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert not list(tmp_path.glob(".*.tmp"))  # every file written atomically
     runs = sorted(path.name for path in (tmp_path / "tensorboard").iterdir())
     assert runs == ["seed3_gamma=0.9", "seed3_gamma=0.99"]
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    columns = ["updates", "wall_seconds", "sps", *importlib.import_module(script).METRIC_COLUMNS]
     for run, name in enumerate(runs):
         scalars: dict[str, list] = {}
         for event in read_events(tmp_path / "tensorboard" / name):
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-        assert set(scalars) == {"sps", *importlib.import_module(script).METRIC_COLUMNS}
+        assert set(scalars) == set(columns)
         expected = [  # metrics.csv's values, at their env steps
             (int(row["env_steps"]), float(row["episode_length"])) for row in rows[run::2]
         ]
         steps, values = zip(*scalars["episode_length"], strict=True)
         assert list(steps) == [step for step, _ in expected]
         np.testing.assert_allclose(values, [value for _, value in expected], rtol=1e-6)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    wandb_runs = read_wandb(tmp_path)
+    assert len(wandb_runs) == 2
+    for records in wandb_runs.values():
+        (start,) = [record.run for record in records if record.WhichOneof("record_type") == "run"]
+        config = {item.key: json.loads(item.value_json) for item in start.config.update}
+        run = [0.9, 0.99].index(config["gamma"])  # its grid point's value, its own seed
+        assert config["seed"] == 3 and config["sweep"] == ["gamma=0.9,0.99"]
+        assert (start.project, start.entity) == ("demo", "team")
+        assert start.run_group == f"{tmp_path.name} gamma={config['gamma']}"
+        assert start.display_name == f"{tmp_path.name}/{runs[run]}"
+        logged = wandb_history(records)
+        assert [row["_step"] for row in logged] == [int(row["env_steps"]) for row in rows[run::2]]
+        for row, csv_row in zip(logged, rows[run::2], strict=True):
+            np.testing.assert_allclose(
+                [row[name] for name in columns], [float(csv_row[name]) for name in columns]
+            )
+        final = {}
+        for record in records:
+            if record.WhichOneof("record_type") == "summary":
+                final |= {item.key: json.loads(item.value_json) for item in record.summary.update}
+        assert final["final_episode_return"] == pytest.approx(summary["final_returns"][run])
+    gifs = [path.parent.parent.name for path in tmp_path.glob("wandb/*/files/media/*/policy_*.gif")]
+    assert len(gifs) == 1  # the first run's: the one policy.gif shows
     # headless, --live draws the first run's policy into curves.png, below the curves
     from PIL import Image
 
