@@ -992,10 +992,13 @@ def interval(runs: np.ndarray, statistic: Callable, resamples: int = 50_000) -> 
 def estimates(returns: np.ndarray) -> dict:
     """Mean, population std and IQM over runs, and the 95% intervals of the mean and of the IQM
     (rliable's IQM: scipy's trim_mean of a quarter each side; of < 4 runs it trims none)."""
-    from scipy import stats  # (0.5 s to import, once a run is evaluated)
+    report = {"mean": returns.mean(), "std": returns.std(), "iqm": returns.mean()}
+    if len(returns) < 3:  # no interval, so no scipy: 0.5 s to import, on every one-seed run
+        return report | {"mean_ci": None, "iqm_ci": None}
+    from scipy import stats
 
     iqm = functools.partial(stats.trim_mean, proportiontocut=0.25)
-    report = {"mean": returns.mean(), "std": returns.std(), "iqm": iqm(returns)}
+    report["iqm"] = iqm(returns)
     return report | {"mean_ci": interval(returns, np.mean), "iqm_ci": interval(returns, iqm)}
 
 
