@@ -198,8 +198,9 @@ def test_tracking_goes_on_at_the_resumed_runs_env_steps_in_the_same_wandb_run(
 
 def test_a_finished_run_kept_trains_on_to_a_larger_budget_as_if_started_with_it(tmp_path):
     """--keep-checkpoint keeps a finished run's last state: --resume then has nothing to do, and
-    with a larger --total-timesteps it trains on; SAC's training depends on the total nowhere,
-    so it ends as the run started with that total, bit for bit."""
+    with a larger --total-timesteps it trains on; sac_pendulum's training depends on the total
+    nowhere (its step sizes stay constant, --lr-decay-start 1), so it ends as the run started
+    with that total, bit for bit."""
     kept, longer = tmp_path / "kept", tmp_path / "longer"
     shorter = [*SAC_FLAGS, "--total-timesteps", "384", "--no-capture-gif"]
     run("sac_pendulum", [*shorter, "--keep-checkpoint", "--output-dir", str(kept)])
