@@ -761,6 +761,8 @@ def validate(config: Config) -> None:
     require(0 <= config.seed <= last_seed, "seed", f"in [0, {last_seed}]", config.seed)
     require(0 < config.gamma <= 1, "gamma", "in (0, 1]", config.gamma)
     require(0 < config.tau <= 1, "tau", "in (0, 1]", config.tau)
+    require(0 <= config.lr_decay_start <= 1, "lr_decay_start", "in [0, 1]", config.lr_decay_start)
+    require(config.lr_decay_to >= 0, "lr_decay_to", ">= 0", config.lr_decay_to)
     fits = config.num_envs <= config.buffer_size
     require(fits, "buffer_size", ">= --num-envs", config.buffer_size)
     fits = config.batch_size <= config.buffer_size

@@ -413,6 +413,8 @@ def test_help_lists_every_option():
         (["--total-timesteps", "10"], "--total-timesteps"),
         (["--learning-starts", "40000"], "--learning-starts"),
         (["--env.dt", "0"], "--env.dt"),
+        (["--lr-decay-start", "1.5"], "--lr-decay-start must be in [0, 1], got 1.5"),
+        (["--lr-decay-to", "-0.1"], "--lr-decay-to must be >= 0"),
         (["--seed", "-1"], "--seed must be in [0, 2147483647], got -1"),
         (["--num-seeds", "4", "--seed", "2147483645"], "--seed must be in [0, 2147483644]"),
         (["--eval-only"], "--load-model"),
