@@ -738,6 +738,9 @@ LOSS_COLUMNS = tuple(field.name for field in dataclasses.fields(Losses))  # chec
 METRIC_COLUMNS = ("episode_return", "episode_length", *LOSS_COLUMNS)  # fields of Metrics
 PROGRESS_COLUMNS = ("critic_loss", "actor_loss", "alpha")  # on each progress line after the return
 EVAL_EPISODES = 100  # deterministic-policy episodes per run in the final evaluation, by default
+# The chunk on a CPU: LLVM -O2 (docs/usage.md) and XLA's own matrix multiplies, not YNNPACK's
+# (1.07x-1.16x the updates/s on two cores, the same on one: docs/log/sac_kernels.md)
+CPU_CHUNK = {"xla_backend_optimization_level": 2, "xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def solved_return(config: Config) -> float:
@@ -841,7 +844,7 @@ def check_options(options: Options) -> None:
 
 
 # LLVM -O1 for what runs once (seed keys, init, the evaluation): less compile than the default,
-# the same bits (-O0 rounded init otherwise); -O2 for the chunk on a CPU (docs/usage.md)
+# the same bits (-O0 rounded init otherwise); the chunk's are CPU_CHUNK
 RUN_ONCE = {"compiler_options": {"xla_backend_optimization_level": 1}}  # jax.jit's
 
 
@@ -1323,7 +1326,7 @@ def train_and_log(
 
     parameter_trees = jax.jit(over_structures(trained_params, configs), **RUN_ONCE)
     run_chunks = jax.jit(run_chunks, out_shardings=sharding, donate_argnums=1)
-    level = {"xla_backend_optimization_level": 2} if jax.default_backend() == "cpu" else None
+    level = CPU_CHUNK if jax.default_backend() == "cpu" else None
     run_chunks = run_chunks.lower(values, states, np.int32(0)).compile(compiler_options=level)
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)

@@ -703,6 +703,7 @@ LOSS_COLUMNS = tuple(field.name for field in dataclasses.fields(Losses))  # chec
 METRIC_COLUMNS = ("episode_return", "episode_length", *LOSS_COLUMNS)  # fields of Metrics
 PROGRESS_COLUMNS = ("critic_loss", "actor_loss", "alpha")  # on each progress line after the return
 EVAL_EPISODES = 100  # deterministic-policy episodes per run in the final evaluation, by default
+CPU_CHUNK = {"xla_backend_optimization_level": 2}  # the chunk's XLA options on a CPU (usage.md)
 
 
 def solved_return(config: Config) -> float:
@@ -804,7 +805,7 @@ def check_options(options: Options) -> None:
 
 
 # LLVM -O1 for what runs once (seed keys, init, the evaluation): less compile than the default,
-# the same bits (-O0 rounded init otherwise); -O2 for the chunk on a CPU (docs/usage.md)
+# the same bits (-O0 rounded init otherwise); the chunk's are CPU_CHUNK
 RUN_ONCE = {"compiler_options": {"xla_backend_optimization_level": 1}}  # jax.jit's
 
 
@@ -1286,7 +1287,7 @@ def train_and_log(
 
     parameter_trees = jax.jit(over_structures(trained_params, configs), **RUN_ONCE)
     run_chunks = jax.jit(run_chunks, out_shardings=sharding, donate_argnums=1)
-    level = {"xla_backend_optimization_level": 2} if jax.default_backend() == "cpu" else None
+    level = CPU_CHUNK if jax.default_backend() == "cpu" else None
     run_chunks = run_chunks.lower(values, states, np.int32(0)).compile(compiler_options=level)
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
