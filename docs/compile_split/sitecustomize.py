@@ -23,8 +23,12 @@ def record(event: str, seconds: float, fun_name: str | None = None, **_: object)
 
 
 def write() -> None:
-    with open(os.environ["COMPILE_SPLIT"], "w") as file:
+    """Whole or not at all: the processes of a --distributed run all write it as they exit (two
+    writing one file at once left one's tail after the other's JSON: a CI run's failure)."""
+    temporary = f"{os.environ['COMPILE_SPLIT']}.{os.getpid()}"
+    with open(temporary, "w") as file:
         json.dump(programs, file)
+    os.replace(temporary, os.environ["COMPILE_SPLIT"])
 
 
 if os.environ.get("COMPILE_SPLIT"):
