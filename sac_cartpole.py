@@ -384,9 +384,8 @@ class Agent:
         rates = [self.config.policy_lr, self.config.q_lr, self.config.q_lr]
         pieces = [jnp.full(size, rate) for size, rate in zip(self.part_sizes, rates, strict=True)]
         start, end = self.config.lr_decay_start, self.config.lr_decay_to
-        decayed = jnp.clip(
-            (progress - start) / (1 - start), 0.0, 1.0
-        )  # 0 until start, 1 at the end
+        # 0 until --lr-decay-start, then linearly to 1 at the run's end (start 1: -inf, so 0)
+        decayed = jnp.clip((progress - start) / (1 - start), 0.0, 1.0)
         return (1 - (1 - end) * decayed) * jnp.concatenate(pieces)
 
     def policy(self, actor_params: Params, obs: Array, noise: Array) -> tuple[Array, Array]:
