@@ -1,6 +1,6 @@
 """Compare finished runs as a paper reports them: IQM and 95% intervals. Docs: docs/usage.md
 
-    python compare.py runs/A runs/B              # compare.png and a table, runs/A the baseline
+    python compare.py runs/A runs/B     # a table and runs/compare__<time>.png; A: the baseline
     python compare.py runs/A runs/B --metric episode_length --output figure.png
 
 Each run folder, of any script or a copy of one, is a variant; a sweep's folder is a variant per
@@ -19,6 +19,7 @@ import argparse
 import csv
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -182,16 +183,20 @@ def main(args: list[str] | None = None) -> None:
         "folders", nargs="+", type=Path, help="finished run folders; the first: the baseline"
     )
     parser.add_argument("--metric", default="episode_return", help="the curves' metrics.csv column")
-    parser.add_argument("--output", type=Path, default=Path("compare.png"), help="the figure")
+    parser.add_argument(
+        "--output", type=Path, help="the figure (default: runs/compare__<time>.png)"
+    )
     parsed = parser.parse_args(args)
+    output = parsed.output or Path("runs") / f"compare__{int(time.time())}.png"  # git ignores runs/
     try:
         found, task = compare(parsed.folders, parsed.metric)
     except UsageError as error:
         print(f"compare.py: error: {error}", file=sys.stderr)
         sys.exit(2)
     print(f"{task}, final evaluation returns:", *table(found), sep="\n")
-    draw(found, task, parsed.metric, parsed.output)
-    print(f"wrote {parsed.output}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    draw(found, task, parsed.metric, output)
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

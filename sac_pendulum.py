@@ -684,7 +684,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -1396,6 +1395,8 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         path = model if options.eval_only and model.is_file() else path / "checkpoint.msgpack"
     finished = options.resume and not path.exists() and (path.parent / "summary.json").exists()
     saved = None
+    kept = not (finished and "total_timesteps" in options.typed)  # no last state to train on
+    require(kept, "resume", "a run kept with --keep-checkpoint to train longer", str(path.parent))
     if (options.resume or options.eval_only) and not finished:
         config, saved = load_checkpoint(path, config, options)
     if finished or options.resume and saved.get("chunk") == chunk_sizes(config)[1]:
@@ -1422,13 +1423,13 @@ def train_evaluate_and_write(config: Config, options: Options) -> None:
         saved = restored(saved, {"params" if options.eval_only else "state": layout}, where)
     out = path.parent if options.resume else Path(options.output_dir or "runs")
     if is_lead():  # process 0 writes every output
+        if not (options.output_dir or options.resume):  # a new folder, even in the same second
+            prefix = f"{SCRIPT}{'_eval' if options.eval_only else ''}__{config.seed}__"
+            out = out / f"{prefix}{int(time.time())}_{os.urandom(3).hex()}"
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise UsageError(f"--output-dir {out}: cannot make it ({error.strerror})") from None
-        if not (options.output_dir or options.resume):  # a new folder, even in the same second
-            prefix = f"{SCRIPT}{'_eval' if options.eval_only else ''}__{config.seed}__"
-            out = Path(tempfile.mkdtemp(prefix=f"{prefix}{int(time.time())}_", dir=out))
         if any(out.iterdir()) and not (options.overwrite or options.resume):
             raise UsageError(f"--output-dir {out} holds files: --overwrite writes there")
         written = dataclasses.asdict(config)  # --eval-only: the fields the model has

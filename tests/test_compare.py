@@ -60,6 +60,18 @@ def test_the_table_holds_iqm_intervals_and_the_probability_of_improvement(tmp_pa
     assert lines[-1] == f"wrote {figure}" and figure.stat().st_size > 0
 
 
+def test_the_figure_goes_under_runs_unless_named(tmp_path, monkeypatch, capsys):
+    """Run from a clone's root, the figure lands in runs/ (which git ignores), not by the code."""
+    (tmp_path / "runs").mkdir()
+    write_run(tmp_path / "runs" / "a", [1.0, 2.0, 3.0])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(compare.time, "time", lambda: 1796475063.5)
+    compare.main(["runs/a"])
+    assert capsys.readouterr().out.splitlines()[-1] == "wrote runs/compare__1796475063.png"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["runs"]
+    assert (tmp_path / "runs" / "compare__1796475063.png").stat().st_size > 0
+
+
 def test_folders_it_cannot_compare_are_refused_in_one_line(tmp_path, capsys):
     write_run(tmp_path / "pendulum", [1.0, 2.0, 3.0])
     write_run(tmp_path / "cartpole", [500.0, 500.0, 500.0], env="CartPole-v1")

@@ -200,7 +200,8 @@ def test_a_finished_run_kept_trains_on_to_a_larger_budget_as_if_started_with_it(
     """--keep-checkpoint keeps a finished run's last state: --resume then has nothing to do, and
     with a larger --total-timesteps it trains on; sac_pendulum's training depends on the total
     nowhere (its step sizes stay constant, --lr-decay-start 1), so it ends as the run started
-    with that total, bit for bit."""
+    with that total, bit for bit. A run that kept no state is refused more steps in one line (a
+    script chaining runs must not take it for trained)."""
     kept, longer = tmp_path / "kept", tmp_path / "longer"
     shorter = [*SAC_FLAGS, "--total-timesteps", "384", "--no-capture-gif"]
     run("sac_pendulum", [*shorter, "--keep-checkpoint", "--output-dir", str(kept)])
@@ -211,6 +212,9 @@ def test_a_finished_run_kept_trains_on_to_a_larger_budget_as_if_started_with_it(
     run("sac_pendulum", [*SAC_FLAGS, "--output-dir", str(longer)])  # 448 env steps
     assert_same_run(kept, longer)
     assert not (kept / "checkpoint.msgpack").exists()  # this time it was not asked to keep it
+    refused = run("sac_pendulum", ["--resume", str(kept), "--total-timesteps", "512"], check=2)
+    expected = "--resume must be a run kept with --keep-checkpoint to train longer"
+    assert refused.stderr.splitlines() == [f"sac_pendulum.py: error: {expected}, got {kept}"]
 
 
 def read_events_file(read_events, path: Path) -> list:
